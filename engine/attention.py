@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache for one flattened batch, and the metadata that describes that batch.
+
+    flattened batch (num_tokens = 1 + 1 + 5):   [ d0 | d1 | p2 p2 p2 p2 p2 ]
+    query_start_loc:                            [0,   1,   2,            7]
+    seq_lens (context after this step):         [ 40,  17,  5 + num_computed of request 2 ]
+
+Requests with a single query token (decodes) come first in the batch, so the torch path attends all of them
+in one padded call; prefill and chunked-prefill requests follow and each attends its cached prefix plus its
+own chunk causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything an attention backend needs to know about the batch; passed explicitly down the forward."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token (block_id * block_size + offset)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: where each request's tokens start in the batch
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length of each request once this step's tokens are in
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32, rows padded with 0 past each table's end
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the torch path loops over prefills without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class TorchAttention:
+    """Paged attention in plain torch: writes the new K/V into the pool, then gathers each request's blocks.
+
+    The default on CPU, and the reference the Triton backend is checked against end to end.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd])
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
+                                           meta.block_tables[i], seq_lens[i])
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+        block_size = k_cache.shape[1]
+        max_len = int(seq_lens.max())
+        num_blocks = -(-max_len // block_size)
+        table = block_tables[:, :num_blocks].long()
+        # [nd, num_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2)
+        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, L]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        num_query = q.shape[0]
+        num_cached = seq_len - num_query
+        gqa = self.num_heads != self.num_kv_heads
+        if num_cached == 0:
+            # Nothing cached before this chunk: attend the fresh K/V directly, as transformers does.
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 is_causal=True, scale=self.scale, enable_gqa=gqa)
+            return out.transpose(0, 1)
+        block_size = k_cache.shape[1]
+        table = block_table[: -(-seq_len // block_size)].long()
+        keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+        values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
+        # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = torch.arange(num_cached, seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [num_query, seq_len]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=gqa)
+        return out.transpose(0, 1)
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,171 @@
+"""The synchronous engine loop: ``step() = schedule() -> model_runner.execute() -> update_from_output()``.
+
+No sockets, no ``await``: the offline ``LLM`` drives it directly, and the server drives the same object in its own
+process. Tokenization happens outside; requests arrive as token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
+from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import EngineCoreOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+
+
+class EngineCore:
+    """Owns the model, the KV pool, the block manager and the scheduler, and advances every request one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        files = resolve_model(config.model)
+        self.model_name = files.name
+        self.hf_config = load_config(files)
+        self.tokenizer = load_tokenizer(files)
+        self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.dtype = config.resolve_dtype(self.device)
+
+        self.attention_backend = config.resolve_attention_backend(self.device)
+        if self.attention_backend != "torch":
+            raise ValueError(f"attention backend {self.attention_backend!r} is not available in this build")
+        started = time.monotonic()
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.hf_config, max_position=self.max_model_len)
+        model.load_weights(iter_weights(files))
+        self.model = model.to(self.dtype).eval()
+        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device,
+                    time.monotonic() - started)
+
+        self.kv_cache = self._allocate_kv_cache()
+        logger.info(self.kv_cache.describe())
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
+
+    def _max_model_len(self) -> int:
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        # NOTE: sliding-window attention is not implemented; capping the length at the window makes full attention
+        # exact for every sequence we accept.
+        window = getattr(self.hf_config, "sliding_window", None)
+        layer_types = getattr(self.hf_config, "layer_types", None)
+        if window and (layer_types is None or "sliding_attention" in layer_types):
+            limit = min(limit, int(window))
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds what the model supports ({limit})")
+            limit = self.config.max_model_len
+        return limit
+
+    def _allocate_kv_cache(self) -> KVCache:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        spec = KVCacheSpec(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                           head_dim, self.config.block_size, self.dtype)
+        budget = resolve_budget(self.config.kv_cache_memory, self.device, DEFAULT_CPU_KV_CACHE_BYTES,
+                                DEFAULT_GPU_KV_CACHE_FRACTION)
+        return KVCache(spec, spec.num_blocks_for(budget), self.device)
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request, or raise ValueError (with a message for the user) if it can never be served."""
+        self._validate(prompt_token_ids, params)
+        num_prompt = len(prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
+        self.scheduler.add_request(request)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})")
+        total = num_prompt + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num_prompt} "
+                f"and max_tokens asks for {params.max_tokens or 1} more ({total} in all)"
+            )
+        longest = num_prompt + (params.max_tokens or self.max_model_len - num_prompt)
+        if cdiv(longest, self.config.block_size) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the request needs up to {longest} tokens of KV cache but the pool holds only "
+                f"{self.kv_cache.num_tokens}; raise kv_cache_memory"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_free_blocks,
+                           bm.num_blocks, self.scheduler.num_preemptions)
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.model_runner.execute(sched)
+        for request_id, entries in result.prompt_logprobs.items():
+            request = self.scheduler.requests[request_id]
+            request.prompt_logprobs.extend(entries)
+            request.num_prompt_logprobs_done += len(entries)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled_token_ids)}
+        outputs = []
+        for request in sched.scheduled_requests:
+            token_id = result.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            first = request.num_output_tokens == 1
+            logprobs = result.logprobs.get(request.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                prompt_logprobs=[None, *request.prompt_logprobs] if first and request.prompt_logprobs_requested else None,
+                finish_reason=request.status.value if request.request_id in finished else None,
+                stop_reason=request.stop_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+            ))
+        return outputs

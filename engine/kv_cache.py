@@ -1,0 +1,85 @@
+"""The preallocated paged KV pool: one K and one V tensor per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        # K and V, for every layer.
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that could still be allocated on ``device``: free GPU memory, or MemAvailable on the host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def resolve_budget(kv_cache_memory: int | float | None, device: torch.device, default_bytes: int,
+                   default_fraction: float) -> int:
+    """``kv_cache_memory`` is bytes (int) or a fraction (float) of what is free now; ``None`` picks a default."""
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            return int(available_memory(device) * default_fraction)
+        return min(default_bytes, available_memory(device) // 2)
+    if isinstance(kv_cache_memory, float):
+        return int(available_memory(device) * kv_cache_memory)
+    return int(kv_cache_memory)
+
+
+class KVCache:
+    """Holds the pools. Zero-initialised so that slots never written hold finite values (masked reads stay finite)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget is smaller than one block ({spec.bytes_per_block} bytes); raise kv_cache_memory"
+            )
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_tokens * self.spec.bytes_per_token
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {self.num_tokens} tokens, "
+                f"{self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, {self.spec.num_layers} layers, "
+                f"{self.spec.num_kv_heads} KV heads x {self.spec.head_dim})")

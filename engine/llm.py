@@ -1,0 +1,87 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, batched through the same engine core."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Runs many prompts to completion with continuous batching. Engine options are keyword arguments named as
+    in ``EngineConfig`` (``max_num_seqs``, ``kv_cache_memory``, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        processor = OutputProcessor(self.tokenizer)
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, int]] = {}
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                result = RequestOutput(str(self._next_id), prompt if isinstance(prompt, str) else None, token_ids, None)
+                self._next_id += 1
+                results.append(result)
+                for index in range(params.n):
+                    child_id = f"{result.request_id}-{index}"
+                    child_params = _child_params(params, index)
+                    self.engine.add_request(child_id, token_ids, child_params)
+                    processor.add_request(child_id, index, token_ids, child_params)
+                    children[child_id] = (result, index)
+            self._run(processor)
+        except BaseException:
+            self.engine.abort_requests(list(children))
+            raise
+        for child_id, (result, _) in children.items():
+            state = processor.pop(child_id)
+            result.outputs.append(state.to_completion())
+            if state.prompt_logprobs is not None:
+                result.prompt_logprobs = state.prompt_logprobs
+        for result in results:
+            result.outputs.sort(key=lambda c: c.index)
+            result.finished = True
+        return results
+
+    def _run(self, processor: OutputProcessor) -> None:
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                _, stopped_by_string = processor.process(output)
+                if stopped_by_string:
+                    self.engine.abort_requests([output.request_id])
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of ``n``: its own request with n=1; a seed is offset so the samples differ but repeat."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

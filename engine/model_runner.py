@@ -1,0 +1,148 @@
+"""Runs one scheduled step: builds the flattened batch, runs the model, samples, and scores prompt tokens.
+
+The runner sees only a ``SchedulerOutput`` (which requests, how many tokens each, their block tables); it never
+changes request state, so the scheduler stays the single owner of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import Logprob, PositionLogprobs
+from engine.request import Request
+from engine.sampler import Sampler, TopLogprobs, top_logprobs
+from engine.sampling_metadata import SamplingMetadata
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # Logprobs of prompt tokens scored this step (chunk by chunk), in prompt order.
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class _PromptScoring:
+    request: Request
+    rows: list[int]  # hidden-state rows whose logits score the next prompt token
+    target_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, vocab_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.vocab_size = vocab_size
+        self.block_size = kv_cache.spec.block_size
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Single-token queries first: the attention backend batches them together.
+        requests = sorted(sched.scheduled_requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        input_ids, positions, qsl, seq_lens = [], [], [0], []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        scorings: list[_PromptScoring] = []
+        for request in requests:
+            start = request.num_computed_tokens
+            end = start + sched.num_scheduled_tokens[request.request_id]
+            input_ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            if end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
+                sample_rows.append(qsl[-1] + end - start - 1)
+                sampled.append(request)
+            scoring = self._prompt_scoring(request, start, end, qsl[-1])
+            if scoring is not None:
+                scorings.append(scoring)
+            qsl.append(qsl[-1] + end - start)
+            seq_lens.append(end)
+        meta = self._attention_metadata(requests, sched, positions, qsl, seq_lens)
+
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
+        prompt_rows = [row for s in scorings for row in s.rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + prompt_rows, device=self.device)])
+
+        out = ModelRunnerOutput()
+        if sampled:
+            sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device)
+            result = self.sampler(logits[: len(sampled)], sampling)
+            token_ids = result.token_ids.tolist()
+            for i, request in enumerate(sampled):
+                out.sampled_token_ids[request.request_id] = token_ids[i]
+            if result.logprobs is not None:
+                per_row = _to_python(result.logprobs)
+                for i, request in enumerate(sampled):
+                    if request.sampling_params.logprobs is not None:
+                        out.logprobs[request.request_id] = _position(per_row[i], request.sampling_params.logprobs)
+        if scorings:
+            self._score_prompts(logits[len(sampled):], scorings, out)
+        return out
+
+    @staticmethod
+    def _prompt_scoring(request: Request, start: int, end: int, row_offset: int) -> _PromptScoring | None:
+        """Position p's logits score prompt token p + 1; skip positions already scored before a preemption."""
+        if request.sampling_params.prompt_logprobs is None:
+            return None
+        first = max(start, request.num_prompt_logprobs_done)
+        last = min(end, request.num_prompt_tokens - 1)
+        if first >= last:
+            return None
+        rows = [row_offset + p - start for p in range(first, last)]
+        return _PromptScoring(request, rows, request.prompt_token_ids[first + 1 : last + 1])
+
+    def _score_prompts(self, logits: torch.Tensor, scorings: list[_PromptScoring], out: ModelRunnerOutput) -> None:
+        targets = torch.tensor([t for s in scorings for t in s.target_ids], dtype=torch.int64, device=self.device)
+        num = max(s.request.sampling_params.prompt_logprobs for s in scorings)
+        per_row = _to_python(top_logprobs(torch.log_softmax(logits, dim=-1), targets, num))
+        row = 0
+        for s in scorings:
+            want = s.request.sampling_params.prompt_logprobs
+            out.prompt_logprobs[s.request.request_id] = [_position(r, want) for r in per_row[row : row + len(s.rows)]]
+            row += len(s.rows)
+
+    def _attention_metadata(self, requests: list[Request], sched: SchedulerOutput, positions: list[int],
+                            qsl: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        tables = [sched.block_tables[r.request_id] for r in requests]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(requests))])
+        pos = torch.tensor(positions, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
+        slots = block_tables[req_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        num_decodes = sum(1 for i in range(len(requests)) if qsl[i + 1] - qsl[i] == 1)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            num_decodes=num_decodes,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+
+
+def _to_python(top: TopLogprobs) -> list[tuple[list[int], list[float], int]]:
+    return list(zip(top.token_ids.tolist(), top.logprobs.tolist(), top.ranks.tolist(), strict=True))
+
+
+def _position(row: tuple[list[int], list[float], int], num: int) -> PositionLogprobs:
+    """The scored token with its rank, then the top ``num`` alternatives with ranks 1..num."""
+    ids, values, rank = row
+    entry = {ids[0]: Logprob(values[0], rank)}
+    for i in range(1, num + 1):
+        entry.setdefault(ids[i], Logprob(values[i], i))
+    return entry

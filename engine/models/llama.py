@@ -1,0 +1,185 @@
+"""The Llama-architecture decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 differ only in the flags below.
+
+The forward takes one flattened batch of tokens from many requests (no padding) and explicit attention
+metadata; only the rows that are sampled (or scored for prompt logprobs) go through the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.models.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """Where the family members differ."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+def variant_for(config: PretrainedConfig) -> DecoderVariant:
+    arch = (config.architectures or ["LlamaForCausalLM"])[0]
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if arch == "Qwen2ForCausalLM":
+        return DecoderVariant(qkv_bias=True)
+    if arch == "Qwen3ForCausalLM":
+        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias,
+                              mlp_bias=bool(getattr(config, "mlp_bias", False)))
+    raise ValueError(f"unsupported architecture {arch!r}; supported: Llama, Mistral, Qwen2, Qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers, so fp32 results are bit-identical.
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, variant, rotary)
+        self.mlp = MLP(config, variant)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF checkpoint name -> (our fused parameter, which shard). Order of shards inside the fused weight follows the list.
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
+
+    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        variant = variant_for(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, variant, self.rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: (k, v) pools
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            parts = name.split(".")
+            fused = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is not None:
+                target, shard = fused
+                name = ".".join([*parts[:-2], target, parts[-1]])
+                param = params[name]
+                offset = self._shard_offset(target, shard)
+                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+                loaded.add(f"{name}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for name in params:
+            target = name.split(".")[-2]
+            shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(target)
+            expected |= {f"{name}#{i}" for i in range(shards)} if shards else {name}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+    def _shard_offset(self, target: str, shard: int) -> int:
+        attn = self.layers[0].self_attn
+        if target == "qkv_proj":
+            return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
+        return shard * self.layers[0].mlp.intermediate_size

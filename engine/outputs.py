@@ -1,0 +1,55 @@
+"""What the engine hands back: per-step deltas from the core, and finished results from the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the scored token first, then the top-N alternatives (a token may appear in both).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: new tokens since the previous output, and how it ended, if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    # Sent once, with the first new token: entry 0 is None (the first prompt token has no context to score it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False

@@ -1,0 +1,84 @@
+"""What a user asks of one generation: how to sample and when to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping rules for one request, validated at construction.
+
+    ``temperature == 0`` means greedy: the exact argmax of the processed logits. ``top_k <= 0`` and
+    ``top_p == 1`` and ``min_p == 0`` disable those filters. ``logprobs`` is the number of top alternatives
+    returned per sampled token (the sampled token's own is always included); ``prompt_logprobs`` the same for
+    each prompt token. Stop strings are matched on the detokenized text, outside the engine core.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string from callers, store tuples (the dataclass is frozen and hashable).
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in (self.logit_bias or {}).items()})
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        check(0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or positive, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
+        check(0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        check(len(self.stop) <= 4, f"at most 4 stop sequences are allowed, got {len(self.stop)}")
+        check(all(s for s in self.stop), "stop sequences must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,179 @@
+"""Continuous batching: decides, at every step, which requests run and how many tokens each computes.
+
+The schedule is phase-free (vLLM v1's idea): a request simply needs ``num_tokens - num_computed_tokens`` more
+tokens computed. A fresh prompt needs all of them (prefill), a prompt larger than the step's token budget gets a
+chunk now and the rest later (chunked prefill), and a decoding request needs one. Decodes and prefills share a
+step, and requests join and leave the running batch between any two steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: the requests to run, in batch order, and how many new tokens each computes."""
+
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # every scheduled request's block ids
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every state change of a request but sampling itself.
+
+    Policy: first come, first served. Both queues are kept in arrival order; running decodes are scheduled
+    before prefill chunks; when the pool runs dry the *newest* running request is preempted (its blocks freed,
+    to be recomputed later) and goes back to the waiting queue in arrival order, so the oldest request always
+    makes progress and nothing starves. A step that had to preempt admits no new request.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrival_index: dict[str, int] = {}
+        self._next_index = 0
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._next_index
+        self._next_index += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish ``request_id`` as aborted in whatever state it is, freeing its blocks. Unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _key(self, request: Request) -> int:
+        return self._arrival_index[request.request_id]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        del self._arrival_index[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=self._key)
+        logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+
+        # Decodes (one token left) first, then prefill chunks; arrival order within each group (sort is stable).
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted by an older request earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.block_manager.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]  # the newest
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.block_manager.allocate_slots(request, num_new) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._key)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        scheduled = [r for r in self.running if r.request_id in num_scheduled]
+        tables = {r.request_id: self.block_manager.get_block_ids(r.request_id) for r in scheduled}
+        return SchedulerOutput(scheduled, num_scheduled, tables, preempted)
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by what was computed, append sampled tokens, and finish the requests
+        that hit a stop condition. Returns the requests finished by this step."""
+        finished: list[Request] = []
+        for request in output.scheduled_requests:
+            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            assert request.num_computed_tokens <= request.num_tokens
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    @staticmethod
+    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
