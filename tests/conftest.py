@@ -1,0 +1,112 @@
+"""Shared fixtures: the default model's folder, transformers references, and tiny random-weight models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engine.model_loader import resolve_model  # noqa: E402
+
+# Prompts of different lengths; the last ones span several 16-token blocks.
+PROMPTS = [
+    "The capital of France is",
+    "Hello",
+    "Write a short poem about the sea.",
+    "List three prime numbers:",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter and his "
+    "three children. Every morning the woodcutter walked into the forest with his axe, and every evening",
+    "Question: A train leaves the station at 3 pm travelling at 60 km/h. A second train leaves the same station at "
+    "4 pm travelling at 90 km/h on the same track. At what time does the second train catch up with the first? "
+    "Answer step by step.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return str(resolve_model(None).path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=model.generation_config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+TINY_CONFIGS = {
+    "llama-gqa-tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=True),
+    "llama-mha-untied-llama3-rope": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4, num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
+                    num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None),
+    "qwen2-bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3-qknorm": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
+    """A 2-layer random-weight model of the given family, saved as a Hugging Face folder with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY_CONFIGS[kind])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        # NOTE: a wide init makes the logits peaked, so greedy argmax is not decided by rounding-level near-ties.
+        initializer_range=0.25, **spec,
+    )
+    torch.manual_seed(sum(map(ord, kind)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "attention_bias", False) or model_type == "qwen2":
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(param, std=0.25)
+    if model_type == "qwen3":
+        for name, param in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                torch.nn.init.uniform_(param, 0.5, 1.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm2_tokenizer):
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_tiny_model(kind, tmp_path_factory.mktemp(kind), smollm2_tokenizer)
+        return built[kind]
+
+    return get

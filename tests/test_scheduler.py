@@ -1,0 +1,178 @@
+"""Scheduler unit tests: no model, the test plays the model runner by handing back sampled tokens."""
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+EOS = 0
+
+
+def make(request_id: str, num_prompt: int, max_tokens: int = 8, **params) -> Request:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, **params)
+    return Request(request_id, list(range(10, 10 + num_prompt)), sp, frozenset({EOS}), max_tokens)
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, max_num_seqs, budget), bm
+
+
+def run_step(sched: Scheduler, bm: BlockManager, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    """One step as the engine does it: every request whose chunk reaches its last token samples ``token``."""
+    out = sched.schedule()
+    bm.check_integrity()
+    sampled = {
+        r.request_id: token
+        for r in out.scheduled_requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+    }
+    finished = sched.update_from_output(out, sampled)
+    bm.check_integrity()
+    return out, finished
+
+
+def test_prefill_then_decode_with_exact_blocks():
+    sched, bm = make_scheduler()
+    a = make("a", 6, max_tokens=3)
+    sched.add_request(a)
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"a": 6}
+    assert out.block_tables["a"] == [0, 1]
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"a": 1}
+    out, finished = run_step(sched, bm)
+    assert finished == [a] and a.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == [7, 7, 7]
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first():
+    sched, bm = make_scheduler(budget=8)
+    a = make("a", 3, max_tokens=4)
+    sched.add_request(a)
+    run_step(sched, bm)  # a prefilled
+    b = make("b", 20)
+    sched.add_request(b)
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}  # a's decode first, b gets the rest of the budget
+    assert b.num_computed_tokens == 7 and b.num_output_tokens == 0
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6}
+    assert b.num_output_tokens == 1  # the last chunk samples
+    assert out.total_num_scheduled_tokens == 7
+
+
+def test_max_num_seqs_caps_running():
+    sched, bm = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(make(f"r{i}", 2))
+    out, _ = run_step(sched, bm)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert sched.num_waiting == 1
+
+
+def test_preempts_newest_and_readmits_in_arrival_order():
+    # 4 blocks of 2 slots: two requests of 3 prompt tokens hold 2 blocks each and then need a third.
+    sched, bm = make_scheduler(num_blocks=4, block_size=2)
+    a, b = make("a", 3, max_tokens=4), make("b", 3, max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched, bm)
+    assert bm.get_block_ids("a") == [0, 1] and bm.get_block_ids("b") == [2, 3]
+    out, _ = run_step(sched, bm)  # position 3 still fits each request's second block
+    assert out.preempted_request_ids == [] and out.num_scheduled_tokens == {"a": 1, "b": 1}
+    out, _ = run_step(sched, bm)  # both need a third block for position 4: b (newest) is preempted
+    assert out.preempted_request_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.output_token_ids == [7, 7]
+    assert sched.num_preemptions == 1
+    assert bm.get_block_ids("a") == [0, 1, 3]
+    while a.status == RequestStatus.RUNNING:
+        run_step(sched, bm)
+    assert a.output_token_ids == [7, 7, 7, 7]
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"b": 5}  # recompute prompt + the tokens sampled before preemption
+    while not b.is_finished:
+        run_step(sched, bm)
+    assert b.output_token_ids == [7, 7, 7, 7]
+    assert bm.num_free_blocks == 4
+
+
+def test_fcfs_head_of_queue_is_not_overtaken():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4)
+    sched.add_request(make("big", 12, max_tokens=1))
+    sched.add_request(make("huge", 16, max_tokens=1))
+    sched.add_request(make("tiny", 1, max_tokens=1))
+    out, _ = run_step(sched, bm)
+    assert set(out.num_scheduled_tokens) == {"big"}  # "huge" does not fit yet, and "tiny" must wait behind it
+    out, _ = run_step(sched, bm)
+    assert set(out.num_scheduled_tokens) == {"huge"}
+    out, _ = run_step(sched, bm)
+    assert set(out.num_scheduled_tokens) == {"tiny"}
+
+
+def test_stop_conditions():
+    sched, bm = make_scheduler()
+    eos = make("eos", 2)
+    stop = make("stop", 2, stop_token_ids=[9])
+    ignore = make("ignore", 2, max_tokens=2, ignore_eos=True)
+    min_tok = make("min", 2, min_tokens=2)
+    for r in (eos, stop, ignore, min_tok):
+        sched.add_request(r)
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"eos": EOS, "stop": 9, "ignore": EOS, "min": EOS})
+    assert {r.request_id for r in finished} == {"eos", "stop"}
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+    assert stop.stop_reason == 9
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"ignore": EOS, "min": EOS})
+    assert {r.request_id for r in finished} == {"ignore", "min"}
+    assert ignore.status == RequestStatus.FINISHED_LENGTH
+    assert min_tok.status == RequestStatus.FINISHED_STOPPED
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_integrity()
+
+
+def test_abort_in_every_state():
+    sched, bm = make_scheduler(num_blocks=5, block_size=2, budget=4)
+    running = make("running", 2)
+    chunked = make("chunked", 6)
+    sched.add_request(running)
+    sched.add_request(chunked)
+    run_step(sched, bm)  # running prefilled (2), chunked got 2 of 6
+    assert chunked.num_computed_tokens == 2 and chunked.status == RequestStatus.RUNNING
+    waiting = make("waiting", 2)
+    sched.add_request(waiting)
+    # Grow until the pool runs out and "chunked" gets preempted.
+    preempted = None
+    for _ in range(10):
+        out, _ = run_step(sched, bm)
+        if out.preempted_request_ids:
+            preempted = out.preempted_request_ids[0]
+            break
+    assert preempted is not None
+    assert sched.requests[preempted].status == RequestStatus.PREEMPTED
+    for request_id in ("waiting", preempted, "running", "chunked"):
+        request = sched.requests.get(request_id)
+        if request is None:
+            continue
+        sched.abort_request(request_id)
+        assert request.status == RequestStatus.FINISHED_ABORTED
+        bm.check_integrity()
+    assert sched.abort_request("unknown") is None
+    assert not sched.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_mid_chunked_prefill_frees_blocks():
+    sched, bm = make_scheduler(num_blocks=8, block_size=2, budget=4)
+    r = make("r", 10)
+    sched.add_request(r)
+    run_step(sched, bm)
+    assert r.num_computed_tokens == 4 and bm.get_block_ids("r") == [0, 1]
+    sched.abort_request("r")
+    assert bm.num_free_blocks == 8
+    bm.check_integrity()

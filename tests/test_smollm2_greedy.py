@@ -1,0 +1,81 @@
+"""SmolLM2-135M-Instruct (the default model): our greedy tokens equal transformers' greedy generate, whatever else
+is in the batch, with requests joining mid-flight, under preemption and under chunked prefill."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from tests.conftest import PROMPTS, hf_greedy
+
+MAX_NEW = 40
+BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2: layers x kv_heads x head_dim, fp32, 16-token blocks
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_tokenizer):
+    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(i) for i in ids) > 3 * 16  # some prompts span several blocks
+    return ids
+
+
+@pytest.fixture(scope="module")
+def expected(hf_smollm2, prompt_ids):
+    return [hf_greedy(hf_smollm2, ids, MAX_NEW) for ids in prompt_ids]
+
+
+def run_staggered(engine: EngineCore, prompt_ids: list[list[int]], arrival_steps: list[int]) -> dict[str, list[int]]:
+    """Add request i at step arrival_steps[i]; check the pool's bookkeeping after every step."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompt_ids))}
+    step = 0
+    while step <= max(arrival_steps) or engine.has_unfinished_requests():
+        for i, arrival in enumerate(arrival_steps):
+            if arrival == step:
+                engine.add_request(str(i), prompt_ids[i], params)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        engine.block_manager.check_integrity()
+        step += 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return tokens
+
+
+def engine_with(**options) -> EngineCore:
+    return EngineCore(EngineConfig(model=None, **options))
+
+
+ARRIVALS = [0, 0, 1, 3, 3, 7, 12, 20]  # later requests join while earlier ones are decoding
+
+
+def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected):
+    engine = engine_with()
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_greedy_identical_under_preemption(prompt_ids, expected):
+    engine = engine_with(kv_cache_memory=14 * BYTES_PER_BLOCK)
+    assert engine.block_manager.num_blocks == 14
+    tokens = run_staggered(engine, prompt_ids, [0] * len(prompt_ids))
+    assert engine.scheduler.num_preemptions > 0
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+
+
+def test_greedy_identical_with_chunked_prefill(prompt_ids, expected):
+    engine = engine_with(max_num_batched_tokens=8)
+    original_schedule = engine.scheduler.schedule
+    chunked = []
+
+    def spy():
+        out = original_schedule()
+        chunked.extend(r.request_id for r in out.scheduled_requests
+                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] < r.num_tokens)
+        assert out.total_num_scheduled_tokens <= 8
+        return out
+
+    engine.scheduler.schedule = spy
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+    assert chunked, "no prompt was prefilled in chunks"
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
