@@ -109,6 +109,9 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
+        wrong_type = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
+        if wrong_type:
+            raise ValueError(f"prompt entry {wrong_type[0]!r} is not a token id (an integer)")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
