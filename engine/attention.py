@@ -66,12 +66,19 @@ class TorchAttention:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_reqs):
             start, end = qsl[i], qsl[i + 1]
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache,
-                                           meta.block_tables[i], seq_lens[i])
+            out[start:end] = self._prefill(
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta.block_tables[i], seq_lens[i]
+            )
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
         block_size = k_cache.shape[1]
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // block_size)
@@ -81,19 +88,39 @@ class TorchAttention:
         values = v_cache[table].flatten(1, 2).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return out.squeeze(2)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+    ) -> torch.Tensor:
         num_query = q.shape[0]
         num_cached = seq_len - num_query
         gqa = self.num_heads != self.num_kv_heads
         if num_cached == 0:
             # Nothing cached before this chunk: attend the fresh K/V directly, as transformers does.
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 is_causal=True, scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
             return out.transpose(0, 1)
         block_size = k_cache.shape[1]
         table = block_table[: -(-seq_len // block_size)].long()
@@ -103,8 +130,9 @@ class TorchAttention:
         key_pos = torch.arange(seq_len, device=q.device)
         query_pos = torch.arange(num_cached, seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [num_query, seq_len]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+        )
         return out.transpose(0, 1)
 
 

@@ -18,8 +18,13 @@ class IncrementalDetokenizer:
     Invariant: ``text`` never contains a stop string; after a stop, it is cut at the start of the match.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop

@@ -62,8 +62,9 @@ class EngineCore:
             model = LlamaForCausalLM(self.hf_config, max_position=self.max_model_len)
         model.load_weights(iter_weights(files))
         self.model = model.to(self.dtype).eval()
-        logger.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device,
-                    time.monotonic() - started)
+        logger.info(
+            "loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device, time.monotonic() - started
+        )
 
         self.kv_cache = self._allocate_kv_cache()
         logger.info(self.kv_cache.describe())
@@ -89,10 +90,16 @@ class EngineCore:
     def _allocate_kv_cache(self) -> KVCache:
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        spec = KVCacheSpec(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                           head_dim, self.config.block_size, self.dtype)
-        budget = resolve_budget(self.config.kv_cache_memory, self.device, DEFAULT_CPU_KV_CACHE_BYTES,
-                                DEFAULT_GPU_KV_CACHE_FRACTION)
+        spec = KVCacheSpec(
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim,
+            self.config.block_size,
+            self.dtype,
+        )
+        budget = resolve_budget(
+            self.config.kv_cache_memory, self.device, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION
+        )
         return KVCache(spec, spec.num_blocks_for(budget), self.device)
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -141,8 +148,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_free_blocks,
-                           bm.num_blocks, self.scheduler.num_preemptions)
+        return EngineStats(
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            bm.usage,
+            bm.num_free_blocks,
+            bm.num_blocks,
+            self.scheduler.num_preemptions,
+        )
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -162,13 +175,17 @@ class EngineCore:
                 continue
             first = request.num_output_tokens == 1
             logprobs = result.logprobs.get(request.request_id)
-            outputs.append(EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[logprobs] if logprobs is not None else None,
-                prompt_logprobs=[None, *request.prompt_logprobs] if first and request.prompt_logprobs_requested else None,
-                finish_reason=request.status.value if request.request_id in finished else None,
-                stop_reason=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-            ))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    prompt_logprobs=[None, *request.prompt_logprobs]
+                    if first and request.prompt_logprobs_requested
+                    else None,
+                    finish_reason=request.status.value if request.request_id in finished else None,
+                    stop_reason=request.stop_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
         return outputs

@@ -1,4 +1,4 @@
-"""The preallocated paged KV pool: one K and one V tensor per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+"""The preallocated paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def resolve_budget(kv_cache_memory: int | float | None, device: torch.device, default_bytes: int,
-                   default_fraction: float) -> int:
+def resolve_budget(
+    kv_cache_memory: int | float | None, device: torch.device, default_bytes: int, default_fraction: float
+) -> int:
     """``kv_cache_memory`` is bytes (int) or a fraction (float) of what is free now; ``None`` picks a default."""
     if kv_cache_memory is None:
         if device.type == "cuda":
@@ -80,6 +81,8 @@ class KVCache:
         return self.num_tokens * self.spec.bytes_per_token
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {self.num_tokens} tokens, "
-                f"{self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, {self.spec.num_layers} layers, "
-                f"{self.spec.num_kv_heads} KV heads x {self.spec.head_dim})")
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {self.num_tokens} tokens, "
+            f"{self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, {self.spec.num_layers} layers, "
+            f"{self.spec.num_kv_heads} KV heads x {self.spec.head_dim})"
+        )

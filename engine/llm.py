@@ -26,13 +26,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         processor = OutputProcessor(self.tokenizer)

@@ -86,7 +86,7 @@ class ModelRunner:
                     if request.sampling_params.logprobs is not None:
                         out.logprobs[request.request_id] = _position(per_row[i], request.sampling_params.logprobs)
         if scorings:
-            self._score_prompts(logits[len(sampled):], scorings, out)
+            self._score_prompts(logits[len(sampled) :], scorings, out)
         return out
 
     @staticmethod
@@ -111,8 +111,9 @@ class ModelRunner:
             out.prompt_logprobs[s.request.request_id] = [_position(r, want) for r in per_row[row : row + len(s.rows)]]
             row += len(s.rows)
 
-    def _attention_metadata(self, requests: list[Request], sched: SchedulerOutput, positions: list[int],
-                            qsl: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    def _attention_metadata(
+        self, requests: list[Request], sched: SchedulerOutput, positions: list[int], qsl: list[int], seq_lens: list[int]
+    ) -> AttentionMetadata:
         tables = [sched.block_tables[r.request_id] for r in requests]
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

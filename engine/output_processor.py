@@ -40,8 +40,15 @@ class RequestState:
         return self.detokenizer.text
 
     def to_completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob, self.logprobs,
-                                self.finish_reason, self.stop_reason)
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
 
 class OutputProcessor:
@@ -49,8 +56,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, index: int, prompt_token_ids: list[int],
-                    params: SamplingParams) -> RequestState:
+    def add_request(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestState:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
         state = RequestState(request_id, index, prompt_token_ids, params, detok)
         if params.logprobs is not None:
@@ -81,4 +89,3 @@ class OutputProcessor:
 
     def pop(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
-

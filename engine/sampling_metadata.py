@@ -64,7 +64,8 @@ class SamplingMetadata:
             temperature=temperature,
             all_greedy=not random_rows,
             top_k=column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], long)
-            if use_top_k else None,
+            if use_top_k
+            else None,
             top_p=column([p.top_p for p in params]) if use_top_p else None,
             min_p=column([p.min_p for p in params]) if use_min_p else None,
             generators={row: r.generator for row, r in enumerate(requests) if r.generator is not None},

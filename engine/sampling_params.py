@@ -64,7 +64,9 @@ class SamplingParams:
         check(
             -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
         )
-        check(0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        check(
+            0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+        )
         check(len(self.stop) <= 4, f"at most 4 stop sequences are allowed, got {len(self.stop)}")
         check(all(s for s in self.stop), "stop sequences must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):

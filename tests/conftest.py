@@ -19,7 +19,7 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers:",
     "In 1969, the first humans landed on the Moon. The mission was called",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter and his "
     "three children. Every morning the woodcutter walked into the forest with his axe, and every evening",
     "Question: A train leaves the station at 3 pm travelling at 60 km/h. A second train leaves the same station at "
@@ -51,25 +51,62 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do."""
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=model.generation_config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 TINY_CONFIGS = {
-    "llama-gqa-tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
-                           num_key_value_heads=2, tie_word_embeddings=True),
+    "llama-gqa-tied": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "llama-mha-untied-llama3-rope": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4, num_key_value_heads=4,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
         tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
-                    num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None),
-    "qwen2-bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen3-qknorm": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    ),
+    "qwen2-bias": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-qknorm": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -80,10 +117,19 @@ def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
     spec = dict(TINY_CONFIGS[kind])
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
-        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        model_type,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
         # NOTE: a wide init makes the logits peaked, so greedy argmax is not decided by rounding-level near-ties.
-        initializer_range=0.25, **spec,
+        initializer_range=0.25,
+        **spec,
     )
     torch.manual_seed(sum(map(ord, kind)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -36,8 +36,10 @@ def test_n_samples_with_seed_are_distinct_and_repeatable(llm):
     texts = [c.token_ids for c in first.outputs]
     assert len({tuple(t) for t in texts}) > 1
     # The same seed gives the same samples, alone or beside other (unseeded) prompts.
-    crowd = llm.generate([PROMPTS[5], PROMPTS[2], PROMPTS[6]],
-                         [SamplingParams(temperature=0.8, max_tokens=20), params, SamplingParams(max_tokens=5)])
+    crowd = llm.generate(
+        [PROMPTS[5], PROMPTS[2], PROMPTS[6]],
+        [SamplingParams(temperature=0.8, max_tokens=20), params, SamplingParams(max_tokens=5)],
+    )
     assert [c.token_ids for c in crowd[1].outputs] == texts
     assert_pool_free(llm)
 
@@ -63,7 +65,8 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf_smollm2):
         top3 = row.topk(3).indices.tolist()
         assert set(top3) <= set(entry)
     assert completion.cumulative_logprob == pytest.approx(
-        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)))
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
 
     assert len(out.prompt_logprobs) == num_prompt and out.prompt_logprobs[0] is None
     for p in range(1, num_prompt):
@@ -107,8 +110,9 @@ def test_stop_strings_and_stop_token_ids(llm):
 
 
 def test_eos_finishes_with_stop_and_ignore_eos_runs_to_length(llm):
-    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
-                                                return_dict=False)
+    chat = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_dict=False
+    )
     out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     forced = llm.generate([chat], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3, ignore_eos=True))

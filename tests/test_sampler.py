@@ -87,8 +87,10 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_logit_bias_and_min_tokens_ban():
     logits = torch.zeros(2, VOCAB)
     logits[:, EOS] = 10.0
-    out = sample(logits, [request(0, temperature=0, logit_bias={5: 100.0}),
-                          request(1, temperature=0, min_tokens=1, stop_token_ids=[6])])
+    out = sample(
+        logits,
+        [request(0, temperature=0, logit_bias={5: 100.0}), request(1, temperature=0, min_tokens=1, stop_token_ids=[6])],
+    )
     assert out.token_ids[0] == 5
     assert out.token_ids[1] not in (EOS, 6)
     # Once min_tokens are out, EOS is allowed again.
@@ -99,9 +101,12 @@ def test_logit_bias_and_min_tokens_ban():
 def test_penalties_match_a_plain_loop():
     torch.manual_seed(4)
     logits = torch.randn(2, VOCAB) * 2
-    reqs = [request(0, prompt=[1, 1, 3], output=[4, 4, 5], repetition_penalty=1.3, presence_penalty=0.5,
-                    frequency_penalty=0.25),
-            request(1, prompt=[7], output=[], repetition_penalty=0.8)]
+    reqs = [
+        request(
+            0, prompt=[1, 1, 3], output=[4, 4, 5], repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25
+        ),
+        request(1, prompt=[7], output=[], repetition_penalty=0.8),
+    ]
     meta = SamplingMetadata.from_requests(reqs, VOCAB, torch.device("cpu"))
     got = apply_penalties(logits.clone(), meta)
     expected = logits.clone()
@@ -128,8 +133,17 @@ def test_logprobs_are_processed_logprobs_with_ranks():
 
 
 def test_invalid_sampling_params_are_rejected():
-    for bad in (dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(n=0), dict(max_tokens=0),
-                dict(logprobs=21), dict(min_tokens=5, max_tokens=2), dict(stop=["a", "b", "c", "d", "e"]),
-                dict(logit_bias={1: 200.0}), dict(repetition_penalty=0.0)):
+    for bad in (
+        dict(temperature=-0.1),
+        dict(temperature=2.5),
+        dict(top_p=0.0),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(logprobs=21),
+        dict(min_tokens=5, max_tokens=2),
+        dict(stop=["a", "b", "c", "d", "e"]),
+        dict(logit_bias={1: 200.0}),
+        dict(repetition_penalty=0.0),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

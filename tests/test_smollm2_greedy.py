@@ -70,8 +70,11 @@ def test_greedy_identical_with_chunked_prefill(prompt_ids, expected):
 
     def spy():
         out = original_schedule()
-        chunked.extend(r.request_id for r in out.scheduled_requests
-                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] < r.num_tokens)
+        chunked.extend(
+            r.request_id
+            for r in out.scheduled_requests
+            if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] < r.num_tokens
+        )
         assert out.total_num_scheduled_tokens <= 8
         return out
 

@@ -36,8 +36,9 @@ def variant_for(config: PretrainedConfig) -> DecoderVariant:
     if arch == "Qwen3ForCausalLM":
         return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
     if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias,
-                              mlp_bias=bool(getattr(config, "mlp_bias", False)))
+        return DecoderVariant(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
     raise ValueError(f"unsupported architecture {arch!r}; supported: Llama, Mistral, Qwen2, Qwen3")
 
 
@@ -70,8 +71,13 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -105,15 +111,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 # HF checkpoint name -> (our fused parameter, which shard). Order of shards inside the fused weight follows the list.
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,7 +145,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, variant, self.rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     def forward(
         self,

@@ -1,0 +1,139 @@
+"""The ``harpoon`` command: ``serve``, ``generate`` and ``bench {offline,serve}``.
+
+Engine options are the fields of ``EngineConfig`` as ``--kebab-case`` flags, so the CLI and ``LLM(**kwargs)`` share
+one vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+
+from engine.config import EngineConfig
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "KIB": 2**10,
+    "KI": 2**10,
+    "M": 10**6,
+    "MB": 10**6,
+    "MIB": 2**20,
+    "MI": 2**20,
+    "G": 10**9,
+    "GB": 10**9,
+    "GIB": 2**30,
+    "GI": 2**30,
+    "T": 10**12,
+    "TB": 10**12,
+    "TIB": 2**40,
+    "TI": 2**40,
+}
+
+
+def parse_memory(text: str) -> int | float:
+    """``0.8`` -> a fraction of free memory; ``2147483648``, ``2GiB``, ``512MB`` -> bytes."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2GiB) or a fraction in (0, 1], got {text!r}")
+    number, unit = match.group(1), (match.group(2) or "").upper()
+    if "." in number and not unit:
+        return float(number)
+    return int(float(number) * _UNITS[unit])
+
+
+_HELP = {
+    "max_num_seqs": "most requests in the running batch",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default 512 on CPU",
+    "max_model_len": "longest prompt + output (default: the model's)",
+    "block_size": "tokens per KV-cache block",
+    "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",
+    "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
+    "device": "auto, cpu, cuda, cuda:1, ...",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
+    "seed": "seed of the engine's random state (requests may carry their own)",
+    "num_threads": "torch intra-op threads (default: torch's choice)",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in ("model", "enable_prefix_caching"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = parse_memory if field.name == "kv_cache_memory" else (str if field.type == "str" else int)
+        group.add_argument(flag, dest=field.name, type=kind, default=None, help=_HELP.get(field.name))
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="do not share cached prompt blocks between requests",
+    )
+
+
+def engine_args_from(namespace: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    return {k: v for k, v in vars(namespace).items() if k in names and v is not None}
+
+
+def parse_engine_args(flags: list[str]) -> dict:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    return engine_args_from(parser.parse_args(flags))
+
+
+def _generate(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="harpoon generate", description="Complete one prompt and print it.")
+    parser.add_argument("prompt")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_args_from(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
+    out = llm.generate([prompt], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))[0]
+    print((args.prompt if not args.chat else "") + out.outputs[0].text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = "serve | generate | bench offline | bench serve"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: harpoon {{{commands}}} [options]; add --help after a command for its options")
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from server.cli import main as serve
+
+        serve(rest)
+    elif command == "generate":
+        _generate(rest)
+    elif command == "bench" and rest[:1] == ["offline"]:
+        from loadtest.offline import main as offline
+
+        offline(rest[1:])
+    elif command == "bench" and rest[:1] == ["serve"]:
+        from loadtest.serve import main as serve_bench
+
+        serve_bench(rest[1:])
+    else:
+        sys.exit(f"harpoon: unknown command {' '.join(argv[:2])!r}; expected one of: {commands}")
+
+
+if __name__ == "__main__":
+    main()
