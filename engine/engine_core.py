@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager, cdiv
+from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
+from engine.limits import EngineLimits
 from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
@@ -47,6 +48,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         files = resolve_model(config.model)
         self.model_name = files.name
+        self.model_path = files.path
         self.hf_config = load_config(files)
         self.tokenizer = load_tokenizer(files)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
@@ -69,6 +71,7 @@ class EngineCore:
         self.kv_cache = self._allocate_kv_cache()
         logger.info(self.kv_cache.describe())
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.limits = EngineLimits(self.max_model_len, self.vocab_size, config.block_size, self.kv_cache.num_blocks)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
@@ -105,39 +108,10 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request, or raise ValueError (with a message for the user) if it can never be served."""
-        self._validate(prompt_token_ids, params)
-        num_prompt = len(prompt_token_ids)
-        room = self.max_model_len - num_prompt
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        self.limits.validate(prompt_token_ids, params)
+        max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
         self.scheduler.add_request(request)
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        wrong_type = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
-        if wrong_type:
-            raise ValueError(f"prompt entry {wrong_type[0]!r} is not a token id (an integer)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})")
-        total = num_prompt + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num_prompt} "
-                f"and max_tokens asks for {params.max_tokens or 1} more ({total} in all)"
-            )
-        longest = num_prompt + (params.max_tokens or self.max_model_len - num_prompt)
-        if cdiv(longest, self.config.block_size) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the request needs up to {longest} tokens of KV cache but the pool holds only "
-                f"{self.kv_cache.num_tokens}; raise kv_cache_memory"
-            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -28,6 +28,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival in the engine to the first step; with the first token
 
     @property
     def finished(self) -> bool:

@@ -42,6 +42,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved: never None, bounded by max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

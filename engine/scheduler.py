@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -139,6 +140,8 @@ class Scheduler:
             if self.block_manager.allocate_slots(request, num_new) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
             num_scheduled[request.request_id] = num_new

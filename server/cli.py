@@ -1,0 +1,102 @@
+"""``harpoon serve``: start the engine process, then the HTTP server; drain gracefully on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import uvicorn
+
+from engine.cli import add_engine_arguments, engine_args_from
+from engine.config import EngineConfig
+from engine.model_loader import load_tokenizer, resolve_model
+from server.api import build_app
+from server.async_engine import AsyncEngine
+from server.engine_client import make_engine_client
+from server.metrics import Metrics
+
+logger = logging.getLogger("harpoon.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harpoon serve", description="Serve a model over the OpenAI API.")
+    parser.add_argument("--model", default=os.environ.get("HARPOON_MODEL") or None,
+                        help="local folder, .gguf file or hub id (default: SmolLM2-135M-Instruct, bundled)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("HARPOON_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (env HARPOON_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests queued beyond max-num-seqs before new ones get 429")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--health-stall-timeout", type=float, default=60.0,
+                        help="/health turns 503 if requests are in flight and no step finished for this long")
+    parser.add_argument("--in-process-engine", action="store_true",
+                        help="run the engine on a thread of this process (debugging)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(parser)
+    return parser
+
+
+class _DrainingServer(uvicorn.Server):
+    """First SIGTERM/SIGINT: refuse new requests (503), wait for in-flight ones up to the timeout, then exit.
+    A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.timeout = timeout
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        app = self.config.app
+        if self._draining:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        app.state.draining = True
+        logger.info("%s: draining %d in-flight requests (up to %.0f s)", signal.Signals(sig).name,
+                    self.engine.num_in_flight, self.timeout)
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+async def serve(args: argparse.Namespace) -> None:
+    files = resolve_model(args.model)  # in this process first: a GGUF is converted once, here
+    tokenizer = load_tokenizer(files)
+    config = EngineConfig.from_kwargs(model=str(files.path), **engine_args_from(args))
+    client = make_engine_client(config, in_process=args.in_process_engine)
+    info = await client.start()
+    name = args.served_model_name or files.name
+    engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
+    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+    server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
+    logger.info("serving %s as %r on %s (%s) | %s", files.name, name, info.device, info.dtype, info.kv_cache)
+    logger.info("ready: http://%s:%d/v1  (max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
+                args.host, args.port, info.limits.max_model_len, info.max_num_seqs, info.max_num_batched_tokens)
+    try:
+        await server.serve()
+    finally:
+        await client.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

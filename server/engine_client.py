@@ -1,0 +1,191 @@
+"""The one interface between the HTTP edge and the engine core, in two transports.
+
+``MultiprocessEngineClient`` (serving): the engine core runs in its own process, so a forward pass never holds the
+event loop or the GIL, and a crash is seen as the pipe closing. ``InProcessEngineClient`` (tests, embedding): the
+same loop on a thread. Messages go out through ``send`` and come back to ``handler`` on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from server.engine_loop import run_engine_loop
+from server.messages import EngineFailed, EngineInfo, EngineReady, Shutdown
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[object], None]
+
+
+class EngineClient(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: EngineInfo | None = None
+        self.handler: Handler = lambda message: None
+
+    @abstractmethod
+    async def start(self) -> EngineInfo:
+        """Start the engine and wait until its model is loaded; raise RuntimeError if it fails to start."""
+
+    @abstractmethod
+    def send(self, message: object) -> None: ...
+
+    @abstractmethod
+    def is_alive(self) -> bool: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
+
+    def _ready(self, message: object) -> EngineInfo:
+        if isinstance(message, EngineFailed):
+            raise RuntimeError(message.message)
+        assert isinstance(message, EngineReady), message
+        self.info = message.info
+        return message.info
+
+
+def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def receive(block: bool) -> list[object]:
+        messages = [conn.recv()] if block else []
+        while conn.poll():
+            messages.append(conn.recv())
+        return messages
+
+    try:
+        run_engine_loop(config, receive, conn.send)
+    except (EOFError, BrokenPipeError):
+        pass  # the server went away: nothing left to serve
+
+
+class MultiprocessEngineClient(EngineClient):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.process: mp.process.BaseProcess | None = None
+        self.conn: Connection | None = None
+        self._outbox: queue.Queue[object | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._closed = False
+
+    async def start(self) -> EngineInfo:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_engine_process_main, name="harpoon-engine", daemon=True,
+                                   args=(self.config, child, logging.getLogger().getEffectiveLevel()))
+        self.process.start()
+        child.close()
+        loop = asyncio.get_running_loop()
+        info = self._ready(await loop.run_in_executor(None, self._first_message))
+        loop.add_reader(self.conn.fileno(), self._on_readable)
+        # NOTE: a blocking send from the event loop could stall it while the engine is mid-step and the pipe is
+        # full; a sender thread keeps the loop free.
+        self._sender = threading.Thread(target=self._send_loop, name="harpoon-engine-sender", daemon=True)
+        self._sender.start()
+        return info
+
+    def _first_message(self) -> object:
+        while not self.conn.poll(0.5):
+            if not self.process.is_alive():
+                return EngineFailed(f"engine process exited with code {self.process.exitcode} while starting")
+        return self.conn.recv()
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self.handler(self.conn.recv())
+        except (EOFError, OSError):
+            self._lost(f"engine process exited (code {self.process.exitcode})")
+
+    def _lost(self, reason: str) -> None:
+        asyncio.get_running_loop().remove_reader(self.conn.fileno())
+        if not self._closed:
+            logger.error(reason)
+            self.handler(EngineFailed(reason))
+
+    def _send_loop(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (BrokenPipeError, OSError):
+                return
+
+    def send(self, message: object) -> None:
+        self._outbox.put(message)
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self.process is None:
+            return
+        self.send(Shutdown())
+        self._outbox.put(None)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.process.join, 10)
+        if self.process.is_alive():
+            self.process.kill()
+        try:
+            loop.remove_reader(self.conn.fileno())
+        except (ValueError, OSError):
+            pass
+        self.conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+class InProcessEngineClient(EngineClient):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    async def start(self) -> EngineInfo:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[object] = loop.create_future()
+
+        def send(message: object) -> None:
+            if not first.done():
+                loop.call_soon_threadsafe(first.set_result, message)
+            else:
+                loop.call_soon_threadsafe(self.handler, message)
+
+        def receive(block: bool) -> list[object]:
+            messages = [self._inbox.get()] if block else []
+            while not self._inbox.empty():
+                messages.append(self._inbox.get_nowait())
+            return messages
+
+        self._thread = threading.Thread(target=run_engine_loop, args=(self.config, receive, send),
+                                        name="harpoon-engine", daemon=True)
+        self._thread.start()
+        return self._ready(await first)
+
+    def send(self, message: object) -> None:
+        self._inbox.put(message)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        if self._thread is not None:
+            self.send(Shutdown())
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+
+def make_engine_client(config: EngineConfig, in_process: bool = False) -> EngineClient:
+    if in_process or os.environ.get("HARPOON_IN_PROCESS_ENGINE") == "1":
+        return InProcessEngineClient(config)
+    return MultiprocessEngineClient(config)

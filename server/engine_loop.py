@@ -1,0 +1,76 @@
+"""The engine core's busy loop: take commands between steps, step while there is work, report every step.
+
+Transport-agnostic: the multiprocess client runs it in a child process over a pipe, the in-process client on a
+thread over a queue; both give it ``receive(block)`` and ``send(message)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from server.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+Receive = Callable[[bool], list[object]]  # block -> the messages waiting (at least one when blocking)
+Send = Callable[[object], None]
+
+
+def engine_info(engine: EngineCore) -> EngineInfo:
+    return EngineInfo(
+        model_name=engine.model_name,
+        model_path=str(engine.model_path),
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        limits=engine.limits,
+        kv_cache=engine.kv_cache.describe(),
+        max_num_seqs=engine.config.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+    )
+
+
+def run_engine_loop(config: EngineConfig, receive: Receive, send: Send) -> None:
+    try:
+        engine = EngineCore(config)
+    except Exception as e:
+        send(EngineFailed(f"engine failed to start: {e}\n{traceback.format_exc()}"))
+        return
+    send(EngineReady(engine_info(engine)))
+    try:
+        while True:
+            for message in receive(not engine.has_unfinished_requests()):
+                if isinstance(message, Shutdown):
+                    return
+                _handle(engine, message, send)
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                send(StepOutputs(outputs, engine.stats()))
+    except Exception as e:  # a bug, not bad input: report it so the server fails requests fast, then stop
+        logger.exception("engine loop crashed")
+        send(EngineFailed(f"engine crashed: {e}"))
+
+
+def _handle(engine: EngineCore, message: object, send: Send) -> None:
+    if isinstance(message, AddRequest):
+        try:
+            engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+        except ValueError as e:
+            send(RequestRejected(message.request_id, str(e)))
+    elif isinstance(message, AbortRequests):
+        engine.abort_requests(message.request_ids)
+        send(StepOutputs([], engine.stats()))
+    else:
+        raise TypeError(f"unexpected message {message!r}")

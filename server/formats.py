@@ -1,0 +1,95 @@
+"""The JSON shapes of OpenAI's completion and chat responses (whole and streamed), and their logprobs."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.output_processor import RequestState
+from engine.outputs import PositionLogprobs
+
+
+class TokenText:
+    """Decoded text of single tokens, cached: logprobs name tokens by their text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, token_text: TokenText) -> None:
+        self.token_text = token_text
+
+    def logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None], num: int,
+                 offset: int) -> dict:
+        """{tokens, token_logprobs, top_logprobs, text_offset}; an entry of None (first prompt token) is null."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(entry[token_id].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            top.append({self.token_text(t): lp.logprob for t, lp in ranked if lp.rank <= num or t == token_id})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+               stop_reason: int | str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    chunk_choice = choice
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, token_text: TokenText) -> None:
+        self.token_text = token_text
+
+    def logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None], num: int,
+                 offset: int = 0) -> dict:
+        content = []
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            content.append({
+                **self._token(token_id, entry[token_id].logprob),
+                "top_logprobs": [self._token(t, lp.logprob) for t, lp in ranked if lp.rank <= num][:num],
+            })
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+               stop_reason: int | str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def chunk_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                     stop_reason: int | str | None, first: bool = False) -> dict:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+
+def usage(prompt_tokens: int, states: list[RequestState]) -> dict:
+    completion = sum(len(s.token_ids) for s in states)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}

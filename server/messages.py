@@ -1,0 +1,63 @@
+"""Typed messages between the server and the engine core's loop (pickled across the process boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.engine_core import EngineStats
+from engine.limits import EngineLimits
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+
+
+# ---- server -> engine -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- engine -> server -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    model_path: str
+    device: str
+    dtype: str
+    limits: EngineLimits
+    kv_cache: str  # the capacity line logged at start-up
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    message: str

@@ -1,0 +1,53 @@
+"""Prometheus metrics, named after vLLM's with a ``harpoon:`` prefix so existing dashboards adapt easily."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from engine.engine_core import EngineStats
+
+disable_created_metrics()  # the *_created series only add noise to dashboards
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"harpoon:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"harpoon:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"harpoon:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for the running batch.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks free.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV recomputed later).")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first step.")
+        self._preemptions_seen = 0
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_cache_free_blocks.set(stats.num_free_blocks)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

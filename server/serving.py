@@ -1,0 +1,237 @@
+"""Serves /v1/completions and /v1/chat/completions over the async engine, whole or streamed (SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from engine.output_processor import RequestState
+from engine.sampling_params import SamplingParams
+from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
+from server.formats import ChatFormat, CompletionFormat, TokenText, usage
+from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+DISCONNECT_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, served_model_name: str,
+                 max_waiting_requests: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
+        token_text = TokenText(tokenizer)
+        self.completion_format = CompletionFormat(token_text)
+        self.chat_format = ChatFormat(token_text)
+
+    # ---- request checks -------------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                           param="model", code="model_not_found")
+
+    def _admit(self, num_choices: int) -> None:
+        if self.engine.dead_reason is not None:
+            raise APIError(503, f"the engine is not running: {self.engine.dead_reason}")
+        if self.engine.num_in_flight + num_choices > self.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({self.engine.num_in_flight} requests in flight); "
+                                "retry shortly", headers={"Retry-After": "1"})
+
+    def _validate(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        for prompt in prompts:
+            try:
+                self.engine.info.limits.validate(prompt.token_ids, params)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else "max_tokens") from None
+
+    def _choices(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> list[Choice]:
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + j
+                child = dataclasses.replace(params, n=1, seed=seed)
+                index = i * params.n + j
+                choices.append(Choice(f"{request_id}-{index}", prompt.token_ids, child, index))
+        return choices
+
+    # ---- /v1/completions ------------------------------------------------------------------------------------------
+    def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
+        p = body.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, "prompt must not be empty", param="prompt")
+                prompts.append(Prompt(item, self.tokenizer.encode(item)))
+            else:
+                prompts.append(Prompt(None, list(item)))
+        return prompts
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        prompts = self.completion_prompts(body)
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        return await self._serve(body, raw, "cmpl", prompts, params, self.completion_format, body.logprobs,
+                                 echo=body.echo)
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        prompt = self.chat_prompt(body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, max_tokens, num_logprobs, None)
+        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs)
+
+    # ---- shared -------------------------------------------------------------------------------------------------
+    async def _serve(self, body, raw: Request, prefix: str, prompts: list[Prompt], params: SamplingParams, fmt,
+                     num_logprobs: int | None, echo: bool = False):
+        self._validate(prompts, params)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        choices = self._choices(request_id, prompts, params)
+        self._admit(len(choices))
+        created = int(time.time())
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        header = {"id": request_id, "created": created, "model": self.served_model_name}
+        if body.stream:
+            stream = self._stream(header, choices, prompts, fmt, num_logprobs, echo, body.include_usage,
+                                  num_prompt_tokens)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        states = await self._collect(choices, raw)
+        out_choices = []
+        for state in sorted(states, key=lambda s: s.index):
+            prompt = prompts[state.index // params.n]
+            text, logprobs = state.text, None
+            token_ids = list(state.token_ids)
+            entries: list = list(state.logprobs or [])
+            if echo:
+                text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
+                token_ids = prompt.token_ids + token_ids
+                entries = list(state.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
+            if num_logprobs is not None:
+                logprobs = fmt.logprobs(token_ids, entries, num_logprobs, 0)
+            out_choices.append(fmt.choice(state.index, text, logprobs, state.finish_reason, state.stop_reason))
+        return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
+                             "usage": usage(num_prompt_tokens, states)})
+
+    async def _collect(self, choices: list[Choice], raw: Request) -> list[RequestState]:
+        finished: dict[int, RequestState] = {}
+
+        async def consume() -> None:
+            async with aclosing(self.engine.generate(choices)) as states:
+                async for state in states:
+                    if state.finished:
+                        finished[state.index] = state
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()  # aborts the engine requests in generate()'s cleanup
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise APIError(499, "client disconnected")
+            task.result()
+        except RequestRejectedError as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not running: {e}") from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return list(finished.values())
+
+    async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt,
+                      num_logprobs: int | None, echo: bool, include_usage: bool,
+                      num_prompt_tokens: int) -> AsyncIterator[str]:
+        chunk_header = {**header, "object": fmt.chunk_object}
+        sent_text = dict.fromkeys((c.index for c in choices), 0)
+        sent_tokens = dict.fromkeys(sent_text, 0)
+        text_offset = dict.fromkeys(sent_text, 0)
+        states: dict[int, RequestState] = {}
+        n = len(choices) // len(prompts)
+        extra = {"usage": None} if include_usage else {}
+
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            if isinstance(fmt, ChatFormat):  # the first chat chunk of each choice carries the role
+                for c in choices:
+                    yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, "", None, None, None, True)],
+                                 **extra})
+            elif echo:
+                for c in choices:
+                    prompt = prompts[c.index // n]
+                    text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+                    text_offset[c.index] = len(text)
+                    yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, text, None, None, None)],
+                                 **extra})
+            async with aclosing(self.engine.generate(choices)) as updates:
+                async for state in updates:
+                    i = state.index
+                    states[i] = state
+                    end = state.detokenizer.stable_text_end(state.finished)
+                    text = state.text[sent_text[i] : end]
+                    new_ids = state.token_ids[sent_tokens[i] :]
+                    if not text and not state.finished and not (num_logprobs is not None and new_ids):
+                        continue
+                    logprobs = None
+                    if num_logprobs is not None and new_ids:
+                        entries = state.logprobs[sent_tokens[i] :]
+                        logprobs = fmt.logprobs(new_ids, entries, num_logprobs, text_offset[i])
+                        text_offset[i] += sum(len(fmt.token_text(t)) for t in new_ids)
+                    sent_text[i], sent_tokens[i] = end, len(state.token_ids)
+                    finish = state.finish_reason if state.finished else None
+                    yield event({**chunk_header, "choices": [fmt.chunk_choice(i, text, logprobs, finish,
+                                                                             state.stop_reason if finish else None)],
+                                 **extra})
+            if include_usage:
+                yield event({**chunk_header, "choices": [], "usage": usage(num_prompt_tokens, list(states.values()))})
+        except (RequestRejectedError, EngineDeadError) as e:
+            status = 400 if isinstance(e, RequestRejectedError) else 503
+            yield event(APIError(status, str(e)).body())
+        yield "data: [DONE]\n\n"
+
+
+def _sampling_params(body, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+                     ) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+    except ValueError as e:
+        message = str(e)
+        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
