@@ -9,6 +9,14 @@ from engine.block_manager import cdiv
 from engine.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """Bad input, with the request field it is about (``param`` in OpenAI's error envelope)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     max_model_len: int
@@ -23,29 +31,29 @@ class EngineLimits:
         return params.max_tokens
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError, with a message for the user, if the request can never be served."""
+        """Raise InvalidRequestError, with a message for the user, if the request can never be served."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         wrong_type = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
         if wrong_type:
-            raise ValueError(f"prompt entry {wrong_type[0]!r} is not a token id (an integer)")
+            raise InvalidRequestError(f"prompt entry {wrong_type[0]!r} is not a token id (an integer)", "prompt")
         for name, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", params.logit_bias)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})")
+                raise InvalidRequestError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})", name)
         if num_prompt >= self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                             f"{num_prompt}, leaving no room for output")
+            raise InvalidRequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                      f"has {num_prompt}, leaving no room for output", "prompt")
         max_tokens = self.resolve_max_tokens(num_prompt, params)
         if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num_prompt} "
-                f"and max_tokens asks for {max_tokens} more ({num_prompt + max_tokens} in all)"
+                f"and max_tokens asks for {max_tokens} more ({num_prompt + max_tokens} in all)", "max_tokens"
             )
         if cdiv(num_prompt + max_tokens, self.block_size) > self.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the request needs up to {num_prompt + max_tokens} tokens of KV cache but the pool holds only "
-                f"{self.num_blocks * self.block_size}; raise kv_cache_memory"
+                f"{self.num_blocks * self.block_size}; raise kv_cache_memory", "max_tokens"
             )

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from engine.limits import InvalidRequestError
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
@@ -57,8 +58,8 @@ class OpenAIServing:
         for prompt in prompts:
             try:
                 self.engine.info.limits.validate(prompt.token_ids, params)
-            except ValueError as e:
-                raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else "max_tokens") from None
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
 
     def _choices(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> list[Choice]:
         choices = []

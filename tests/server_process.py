@@ -1,0 +1,70 @@
+"""Starts a real ``harpoon serve`` process on a free loopback port for a test, and stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(f"/tmp/harpoon-test-server-{self.port}.log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--port", str(self.port), "--log-level", "warning", *args],
+            cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"server did not become healthy:\n{self.log.read_text()[-3000:]}")
+
+    def engine_pid(self) -> int:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        # The engine is the spawned child; multiprocessing's resource tracker is a child too.
+        pids = [int(p) for p in out if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert pids, f"no engine process under {self.proc.pid}"
+        return pids[0]
+
+    def metrics(self) -> dict[str, float]:
+        values = {}
+        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
+            if line.startswith("harpoon:") and "{" in line:
+                name = line.split("{", 1)[0]
+                if "_bucket" not in name:
+                    values[name] = float(line.rsplit(" ", 1)[1])
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

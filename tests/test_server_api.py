@@ -1,0 +1,228 @@
+"""The server against the official openai SDK and raw httpx, on a real uvicorn process serving the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import PROMPTS
+from tests.server_process import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-num-seqs", "64")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_pool_free(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = m["harpoon:num_requests_running"] == 0 and m["harpoon:num_requests_waiting"] == 0
+        if idle and m["harpoon:kv_cache_usage_perc"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pool not free: {m}")
+        time.sleep(0.1)
+
+
+def test_models_health_and_tokenize(server):
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{server.base_url}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 8192
+    tok = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+
+
+def test_completion_single_batch_and_token_prompts(client):
+    one = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert one.object == "text_completion" and one.model == MODEL
+    assert one.choices[0].text.strip().startswith("Paris")
+    assert one.choices[0].finish_reason == "length"
+    assert one.usage.completion_tokens == 8 and one.usage.total_tokens == one.usage.prompt_tokens + 8
+
+    batch = client.completions.create(model=MODEL, prompt=["The capital of France is", "1, 2, 3,"], max_tokens=8,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == one.choices[0].text
+
+    ids = httpx.post(f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}/tokenize",
+                     json={"prompt": "The capital of France is"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == one.choices[0].text
+    lists = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, temperature=0)
+    assert len(lists.choices) == 2
+
+
+def test_n_seed_stop_logprobs_echo(client):
+    two = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, n=2, seed=7,
+                                    temperature=1.0)
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, n=2, seed=7,
+                                      temperature=1.0)
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]
+    assert two.choices[0].text != two.choices[1].text
+    assert two.usage.completion_tokens == 24
+
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=24, temperature=0).choices[0].text
+    stop = full.split()[3]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+    lp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                   logprobs=2).choices[0]
+    assert len(lp.logprobs.tokens) == 4 and "".join(lp.logprobs.tokens) == lp.text
+    assert all(v <= 0 for v in lp.logprobs.token_logprobs)
+    assert all(len(top) >= 2 for top in lp.logprobs.top_logprobs)
+    assert lp.logprobs.text_offset[0] == 0
+
+    echo = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     echo=True, logprobs=1).choices[0]
+    assert echo.text == "The capital of France is" + lp.text
+    assert echo.logprobs.token_logprobs[0] is None and len(echo.logprobs.tokens) == 5 + 4
+
+
+def test_chat_whole_and_streamed(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+    plain = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in plain)
+
+    lp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                        top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_streaming_completion_sse_framing(server):
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 10, "temperature": 0, "stream": True,
+            "stop": [" 7"], "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    text = "".join(p["choices"][0]["text"] for p in payloads if p["choices"])
+    whole = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False,
+                                                                  "stream_options": None}).json()
+    assert text == whole["choices"][0]["text"]
+    assert " 7" not in text
+    assert payloads[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 10}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "suffix": "there"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/nowhere", {"prompt": "hi"}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    r = httpx.post(f"{server.base_url}{path}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_malformed_json_and_wrong_content_type(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"prompt": "hi",',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b"prompt=hi",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.base_url}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    wait_pool_free(server)
+
+
+async def _stream_then_leave(base_url: str, i: int) -> int:
+    body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 3:
+                        break  # leave mid-generation: the connection closes with the client
+    return seen
+
+
+async def test_disconnecting_stream_clients_free_everything(server):
+    seen = await asyncio.gather(*(_stream_then_leave(server.base_url, i) for i in range(50)))
+    assert all(s == 3 for s in seen)
+    m = wait_pool_free(server)
+    assert m["harpoon:generation_tokens_total"] < 50 * 200  # they were cut short, not run to the end
+
+
+async def test_non_streaming_client_disconnect_aborts(server):
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 2000, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        with pytest.raises(httpx.TimeoutException):
+            await http.post("/v1/completions", json=body, timeout=1.5)
+    wait_pool_free(server)
+
+
+async def test_greedy_same_alone_or_among_32_concurrent(server):
+    target = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 24, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+        alone = (await http.post("/v1/completions", json=target)).json()["choices"][0]["text"]
+        others = [{"model": MODEL, "prompt": f"{PROMPTS[i % 8]} (variant {i})", "max_tokens": 16 + i,
+                   "temperature": 0.8 if i % 2 else 0} for i in range(32)]
+        calls = [http.post("/v1/completions", json=b) for b in others[:16]]
+        calls.append(http.post("/v1/completions", json=target))
+        calls += [http.post("/v1/completions", json=b) for b in others[16:]]
+        results = await asyncio.gather(*calls)
+    assert all(r.status_code == 200 for r in results)
+    assert results[16].json()["choices"][0]["text"] == alone
+    wait_pool_free(server)
