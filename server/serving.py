@@ -191,11 +191,10 @@ class OpenAIServing:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
         try:
-            if isinstance(fmt, ChatFormat):  # the first chat chunk of each choice carries the role
-                for c in choices:
-                    yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, "", None, None, None, True)],
-                                 **extra})
-            elif echo:
+            # NOTE: a chat choice's first chunk (with the role) goes out with its first token, not before, so a
+            # client's time to first chunk is a true time to first token.
+            first_chunk = {c.index for c in choices} if isinstance(fmt, ChatFormat) else set()
+            if echo:
                 for c in choices:
                     prompt = prompts[c.index // n]
                     text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
@@ -209,7 +208,8 @@ class OpenAIServing:
                     end = state.detokenizer.stable_text_end(state.finished)
                     text = state.text[sent_text[i] : end]
                     new_ids = state.token_ids[sent_tokens[i] :]
-                    if not text and not state.finished and not (num_logprobs is not None and new_ids):
+                    if not text and not state.finished and not (num_logprobs is not None and new_ids) \
+                            and i not in first_chunk:
                         continue
                     logprobs = None
                     if num_logprobs is not None and new_ids:
@@ -218,9 +218,13 @@ class OpenAIServing:
                         text_offset[i] += sum(len(fmt.token_text(t)) for t in new_ids)
                     sent_text[i], sent_tokens[i] = end, len(state.token_ids)
                     finish = state.finish_reason if state.finished else None
-                    yield event({**chunk_header, "choices": [fmt.chunk_choice(i, text, logprobs, finish,
-                                                                             state.stop_reason if finish else None)],
-                                 **extra})
+                    stop_reason = state.stop_reason if finish else None
+                    if i in first_chunk:
+                        first_chunk.discard(i)
+                        choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason, first=True)
+                    else:
+                        choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason)
+                    yield event({**chunk_header, "choices": [choice], **extra})
             if include_usage:
                 yield event({**chunk_header, "choices": [], "usage": usage(num_prompt_tokens, list(states.values()))})
         except (RequestRejectedError, EngineDeadError) as e:

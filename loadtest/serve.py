@@ -1,0 +1,279 @@
+"""Serving benchmark against Harpoon or any OpenAI-compatible server (flags named as in ``vllm bench serve``).
+
+    python -m loadtest.serve --num-prompts 64 --input-len 128 --output-len 128 --max-concurrency 16
+    python -m loadtest.serve --sweep-concurrency 1,4,16,64 --save results/sweep.json --plot-dir results/
+    python -m loadtest.serve --sweep-concurrency 1,16 --compare http://127.0.0.1:8100   # side by side
+
+Each sweep point runs max(--num-prompts, 2 x concurrency) requests. Metrics are defined in loadtest/metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from loadtest.client import request_body, send
+from loadtest.datasets import BenchRequest, build_requests
+from loadtest.metrics import parse_goodput, records_as_dicts, summarize
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None
+    api_key: str | None = None
+    dataset: str = "random"
+    num_prompts: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 1000
+    max_concurrency: int | None = None
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    seed: int = 0
+    num_warmups: int = 1
+    ignore_eos: bool = True
+    request_timeout: float = 600.0
+    health_timeout: float = 300.0
+    tokenizer: str | None = None
+
+
+async def wait_healthy(http: httpx.AsyncClient, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if (await http.get("/health", timeout=5)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{http.base_url}/health did not answer 200 within {timeout:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+async def served_model(http: httpx.AsyncClient) -> str:
+    data = (await http.get("/v1/models")).json()
+    return data["data"][0]["id"]
+
+
+async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float, seed: int):
+    """Yield requests at Poisson (burstiness 1) or gamma-distributed intervals; all at once if rate is inf."""
+    rng = np.random.default_rng(seed)
+    for request in requests:
+        yield request
+        if rate != float("inf"):
+            await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
+
+
+async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = True) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits, timeout=60) as http:
+        await wait_healthy(http, cfg.health_timeout)
+        model = cfg.model or await served_model(http)
+        for i in range(cfg.num_warmups):
+            warm = replace(requests[i % len(requests)], output_len=min(16, requests[0].output_len))
+            await send(http, cfg.endpoint, request_body(cfg.endpoint, model, warm, cfg.ignore_eos), 0.0,
+                       cfg.request_timeout)
+        semaphore = asyncio.Semaphore(cfg.max_concurrency or len(requests))
+        bar = tqdm(total=len(requests), desc=f"{cfg.base_url} c={cfg.max_concurrency or 'inf'}", disable=not progress,
+                   file=sys.stderr, leave=False)
+        bench_start = time.perf_counter()
+
+        async def one(request: BenchRequest):
+            async with semaphore:
+                body = request_body(cfg.endpoint, model, request, cfg.ignore_eos)
+                record = await send(http, cfg.endpoint, body, bench_start, cfg.request_timeout)
+            bar.update(1)
+            return record
+
+        tasks = []
+        async for request in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed):
+            tasks.append(asyncio.create_task(one(request)))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - bench_start
+        bar.close()
+    return {"model": model, "records": records, "duration": duration}
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def load_tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(path or resolve_model(None).path)
+
+
+def benchmark_point(cfg: BenchConfig, tokenizer, goodput: dict | None, progress: bool = True) -> dict:
+    requests = build_requests(cfg.dataset, tokenizer, cfg.num_prompts, cfg.input_len, cfg.output_len,
+                              cfg.range_ratio, cfg.prefix_len, cfg.seed)
+    result = asyncio.run(run(cfg, requests, progress))
+    summary = summarize(result["records"], result["duration"], goodput)
+    return {"base_url": cfg.base_url, "model": result["model"], "max_concurrency": cfg.max_concurrency,
+            "request_rate": cfg.request_rate, "num_prompts": cfg.num_prompts, "summary": summary,
+            "requests": records_as_dicts(result["records"])}
+
+
+def print_summary(point: dict) -> None:
+    s = point["summary"]
+    print(f"\n==== {point['base_url']}  model={point['model']}  concurrency={point['max_concurrency']}  "
+          f"rate={point['request_rate']} ====")
+    print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
+    print(f"input tokens {s['total_input_tokens']}  output tokens {s['total_output_tokens']}")
+    print(f"request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s   "
+          f"total {s['total_token_throughput']:.1f} tok/s")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = s[name]
+        print(f"{name[:-3].upper():>5} ms  mean {m['mean']:8.1f}  median {m['median']:8.1f}  p90 {m['p90']:8.1f}  "
+              f"p99 {m['p99']:8.1f}")
+    if "goodput" in s:
+        print(f"goodput {s['goodput']['request_goodput']:.2f} req/s ({s['goodput']['requests']} requests "
+              f"within {s['goodput']['slo_ms']})")
+
+
+def markdown_table(points: list[dict], axis: str) -> str:
+    lines = [f"| server | {axis} | req/s | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
+             "TPOT p99 (ms) | ITL p99 (ms) | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        s = p["summary"]
+        x = p["max_concurrency"] if axis == "concurrency" else p["request_rate"]
+        lines.append(f"| {p['base_url']} | {x} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+                     f"{s['ttft_ms']['median']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['median']:.1f} | "
+                     f"{s['tpot_ms']['p99']:.1f} | {s['itl_ms']['p99']:.0f} | {s['failed']} |")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], axis: str, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = "max_concurrency" if axis == "concurrency" else "request_rate"
+    servers = list(dict.fromkeys(p["base_url"] for p in points))
+    charts = {
+        "throughput.png": ("output tokens/s", [("output_throughput", None, "")]),
+        "ttft.png": ("TTFT (ms)", [("ttft_ms", "median", " p50"), ("ttft_ms", "p99", " p99")]),
+        "tpot.png": ("TPOT (ms)", [("tpot_ms", "median", " p50"), ("tpot_ms", "p99", " p99")]),
+    }
+    written = []
+    for filename, (ylabel, series) in charts.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for server in servers:
+            mine = [p for p in points if p["base_url"] == server]
+            xs = [p[key] for p in mine]
+            for metric, stat, suffix in series:
+                ys = [p["summary"][metric] if stat is None else p["summary"][metric][stat] for p in mine]
+                ax.plot(xs, ys, marker="o", label=f"{server}{suffix}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=BenchConfig.base_url)
+    p.add_argument("--endpoint", default=BenchConfig.endpoint, choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--dataset", default="random", choices=["random", "chat", "prefix"])
+    p.add_argument("--num-prompts", type=int, default=BenchConfig.num_prompts)
+    p.add_argument("--input-len", type=int, default=BenchConfig.input_len)
+    p.add_argument("--output-len", type=int, default=BenchConfig.output_len)
+    p.add_argument("--range-ratio", type=float, default=BenchConfig.range_ratio)
+    p.add_argument("--prefix-len", type=int, default=BenchConfig.prefix_len)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-warmups", type=int, default=1)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--request-timeout", type=float, default=BenchConfig.request_timeout)
+    p.add_argument("--tokenizer", default=None, help="tokenizer for building prompts (default: the default model's)")
+    p.add_argument("--goodput", nargs="*", default=None, help="SLOs such as ttft:500 tpot:50 (milliseconds)")
+    p.add_argument("--sweep-concurrency", default=None, help="e.g. 1,4,16,64: one run per point")
+    p.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4: one run per request rate")
+    p.add_argument("--compare", nargs="*", default=[], help="more base URLs to run the same benchmark against")
+    p.add_argument("--save", default=None, help="write the full results as JSON here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots of a sweep here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    goodput = parse_goodput(args.goodput)
+    fields = {f for f in BenchConfig.__dataclass_fields__}
+    base = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.sweep_concurrency:
+        axis, values = "concurrency", [int(v) for v in args.sweep_concurrency.split(",")]
+    elif args.sweep_rates:
+        axis, values = "rate", [float(v) for v in args.sweep_rates.split(",")]
+    else:
+        axis, values = None, [None]
+    points = []
+    for url in [args.base_url, *args.compare]:
+        for value in values:
+            cfg = replace(base, base_url=url)
+            if axis == "concurrency":
+                cfg = replace(cfg, max_concurrency=value, num_prompts=max(base.num_prompts, 2 * value))
+            elif axis == "rate":
+                cfg = replace(cfg, request_rate=value)
+            point = benchmark_point(cfg, tokenizer, goodput, progress=not args.no_progress)
+            print_summary(point)
+            points.append(point)
+    results = {"config": {k: (str(v) if isinstance(v, float) and np.isinf(v) else v) for k, v in asdict(base).items()},
+               "servers": [args.base_url, *args.compare], "git_commit": _git_commit(), "machine": machine(),
+               "axis": axis, "points": points}
+    if axis:
+        table = markdown_table(points, axis)
+        results["table"] = table
+        print("\n" + table)
+        if args.plot_dir:
+            results["plots"] = [str(p) for p in plot(points, axis, Path(args.plot_dir))]
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""loadtest/: metric definitions on hand-made timelines, and a short real run against a test server."""
+
+import json
+
+import pytest
+
+from loadtest.metrics import RequestRecord, parse_goodput, record_from_timeline, summarize
+from loadtest.serve import main as bench_main
+from tests.server_process import ServerProcess
+
+
+def test_record_from_timeline_matches_vllm_definitions():
+    # Sent at t=10.0; chunks with a choice at 10.5, 10.6, 10.8, 11.1; 4 output tokens per usage.
+    r = record_from_timeline(start=2.0, send=10.0, chunk_times=[10.5, 10.6, 10.8, 11.1], prompt_tokens=5,
+                             output_tokens=4)
+    assert r.success and r.start == 2.0
+    assert r.ttft == pytest.approx(0.5)
+    assert r.e2e == pytest.approx(1.1)
+    assert r.itl == pytest.approx([0.1, 0.2, 0.3])
+    assert r.tpot == pytest.approx((1.1 - 0.5) / 3)
+    assert record_from_timeline(0, 0, [], 1, 0).success is False
+    assert RequestRecord(success=True, output_tokens=1, ttft=0.1, e2e=0.1).tpot is None
+
+
+def test_summarize_percentiles_throughput_and_goodput():
+    a = record_from_timeline(0, 0.0, [0.1, 0.2, 0.3], 10, 3)  # ttft 100 ms, tpot 100 ms
+    b = record_from_timeline(0, 0.0, [0.3, 0.35, 0.4, 0.45, 0.5], 20, 5)  # ttft 300 ms, tpot 50 ms
+    failed = RequestRecord(error="HTTP 500")
+    s = summarize([a, b, failed], duration=2.0, goodput=parse_goodput(["ttft:200"]))
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["total_input_tokens"] == 30 and s["total_output_tokens"] == 8
+    assert s["output_throughput"] == pytest.approx(4.0)
+    assert s["total_token_throughput"] == pytest.approx(19.0)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["median"] == pytest.approx(200.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(75.0)
+    assert s["itl_ms"]["median"] == pytest.approx(50.0)  # gaps: 100, 100, 50, 50, 50, 50
+    assert s["itl_ms"]["p99"] == pytest.approx(100.0)
+    assert s["e2e_ms"]["p99"] == pytest.approx(300 + (500 - 300) * 0.99)
+    assert s["goodput"]["requests"] == 1 and s["goodput"]["request_goodput"] == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_short_real_sweep_writes_results_and_plots(tmp_path):
+    server = ServerProcess("--max-model-len", "512")
+    try:
+        save = tmp_path / "results.json"
+        bench_main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "24", "--output-len", "6",
+                    "--sweep-concurrency", "1,2", "--save", str(save), "--plot-dir", str(tmp_path / "plots"),
+                    "--goodput", "ttft:60000", "--no-progress"])
+    finally:
+        server.stop()
+    results = json.loads(save.read_text())
+    assert set(results) == {"config", "servers", "git_commit", "machine", "axis", "points", "table", "plots"}
+    assert results["axis"] == "concurrency" and results["servers"] == [server.base_url]
+    assert len(results["git_commit"]) == 40 and results["machine"]["cpus"] >= 1
+    assert results["config"]["input_len"] == 24 and results["config"]["request_rate"] == "inf"
+    assert [p["max_concurrency"] for p in results["points"]] == [1, 2]
+    assert [p["num_prompts"] for p in results["points"]] == [3, 4]
+    for point in results["points"]:
+        s = point["summary"]
+        assert point["model"] == "SmolLM2-135M-Instruct"
+        assert s["completed"] == point["num_prompts"] and s["failed"] == 0
+        assert s["total_output_tokens"] == 6 * point["num_prompts"]
+        assert 20 <= s["total_input_tokens"] / point["num_prompts"] <= 28  # the server's own count, near 24
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(s[metric]) == {"mean", "median", "p90", "p99"}
+            assert 0 < s[metric]["median"] <= s[metric]["p99"]
+        assert s["goodput"]["requests"] == point["num_prompts"]
+        for r in point["requests"]:
+            assert r["success"] and r["output_tokens"] == 6 and len(r["itl"]) == 5 and r["text"]
+            assert r["ttft"] < r["e2e"] and r["tpot"] > 0
+    assert "| concurrency |" in results["table"].splitlines()[0]
+    for plot in results["plots"]:
+        assert (tmp_path / "plots" / plot.rsplit("/", 1)[1]).stat().st_size > 5000
