@@ -110,30 +110,28 @@ class TorchAttention:
     ) -> torch.Tensor:
         num_query = q.shape[0]
         num_cached = seq_len - num_query
-        gqa = self.num_heads != self.num_kv_heads
         if num_cached == 0:
             # Nothing cached before this chunk: attend the fresh K/V directly, as transformers does.
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            return out.transpose(0, 1)
-        block_size = k_cache.shape[1]
-        table = block_table[: -(-seq_len // block_size)].long()
-        keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-        values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
-        # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
-        key_pos = torch.arange(seq_len, device=q.device)
-        query_pos = torch.arange(num_cached, seq_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [num_query, seq_len]
+            keys, values, mask = k, v, None
+        else:
+            block_size = k_cache.shape[1]
+            table = block_table[: -(-seq_len // block_size)].long()
+            keys = k_cache[table].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+            values = v_cache[table].flatten(0, 1)[:seq_len]
+            # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(num_cached, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [num_query, seq_len]
+        # NOTE: the CPU flash kernel takes neither enable_gqa nor 3-D inputs (either falls back to the 2-5x slower
+        # math path), so the KV heads are expanded to the query heads, as transformers' repeat_kv does, and a batch
+        # dimension of 1 is added.
+        group = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]  # [1, num_heads, seq_len, head_dim]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 def store_kv(

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import engine  # noqa: F401  (first: it sets the OpenMP policy before torch loads)
+from engine.model_loader import resolve_model
 
-from engine.model_loader import resolve_model  # noqa: E402
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Prompts of different lengths; the last ones span several 16-token blocks.
 PROMPTS = [

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, TorchAttention
+from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
 
 
@@ -64,8 +65,8 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=variant.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.rotary = rotary
@@ -95,8 +96,8 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}")
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -146,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -163,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""
