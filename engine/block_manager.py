@@ -1,4 +1,5 @@
-"""Hands out fixed-size KV-cache blocks from one preallocated pool and keeps each request's block table.
+"""Hands out fixed-size KV-cache blocks from one preallocated pool, keeps each request's block table, and (with
+prefix caching) lets requests share the full blocks of a common prefix.
 
     pool:          [ b0 | b1 | b2 | b3 | b4 | b5 | ... ]       num_blocks blocks of block_size slots each
     block table:   request "a" -> [b3, b0, b5]                 token t lives in slot
@@ -7,6 +8,10 @@
 
 A request holds exactly ``cdiv(num_computed_tokens + num_scheduled_tokens, block_size)`` blocks, so the only
 waste is the unfilled tail of its last block.
+
+Prefix caching: once a full block's K/V is computed it is registered under its chained hash. A new request takes
+the longest run of registered blocks matching its tokens (ref_cnt + 1, nothing recomputed). A freed block keeps its
+hash and waits in the free queue, least recently used first; it is evicted only when a fresh block is needed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full, computed and registered for reuse
+    token_ids: tuple[int, ...] | None = None  # the tokens it holds, compared on a cache hit
 
 
 class FreeBlockQueue:
@@ -57,20 +64,27 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    """Owns the pool's bookkeeping: the free queue, every block's ref count and every request's block table.
+    """Owns the pool's bookkeeping: the free queue, every block's ref count, every request's block table and the
+    map from block hash to cached block.
 
     Invariants (``check_integrity``): free + used == num_blocks; a block is free iff its ref count is 0; a block's
-    ref count equals the number of block tables holding it; allocation is all or nothing.
+    ref count equals the number of block tables holding it; every entry of the hash map points at a block carrying
+    that hash; allocation is all or nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(list(range(num_blocks)))
         self.block_tables: dict[str, list[int]] = {}
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks of its table already registered
+        self.num_query_tokens = 0  # prefix-cache lookups, in prompt tokens
+        self.num_hit_tokens = 0
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -83,36 +97,91 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool held by requests, in [0, 1]."""
+        """Fraction of the pool held by requests, in [0, 1] (cached-but-free blocks count as free)."""
         return self.num_used_blocks / self.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        num_required = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, num_required - len(self.get_block_ids(request.request_id)))
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached blocks matching the start of ``request``'s tokens. At least the last token
+        is always left to compute, so the step has logits to sample from."""
+        if not self.enable_caching:
+            return []
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            block_id = self.cached_blocks.get(block_hash)
+            tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
+        num_computed = request.num_computed_tokens + num_computed_blocks * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        return max(0, num_required - len(self.get_block_ids(request.request_id)) - num_computed_blocks)
 
     # ---- mutations -----------------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Give ``request`` room for ``num_new_tokens`` more tokens; return the new block ids, or ``None`` (and
-        change nothing) when the pool cannot supply them, which tells the scheduler to preempt or wait."""
-        num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens)
-        if num_new_blocks > self.num_free_blocks:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_block_ids: list[int] | None = None) -> list[int] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens after its computed ones (plus, for a request
+        being admitted, the cached ``computed_block_ids`` it takes over). Return the fresh block ids, or ``None``,
+        changing nothing, when the pool cannot supply them: the scheduler must then preempt or wait."""
+        computed = computed_block_ids or []
+        num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens, len(computed))
+        num_revived = sum(1 for b in computed if self.blocks[b].ref_cnt == 0)  # cached, sitting in the free queue
+        if num_new_blocks + num_revived > self.num_free_blocks:
             return None
-        new_block_ids = [self.free_queue.popleft() for _ in range(num_new_blocks)]
-        for block_id in new_block_ids:
+        table = self.block_tables.setdefault(request.request_id, [])
+        for block_id in computed:
             block = self.blocks[block_id]
-            assert block.ref_cnt == 0, f"block {block_id} in the free queue has ref_cnt {block.ref_cnt}"
-            block.ref_cnt = 1
-        self.block_tables.setdefault(request.request_id, []).extend(new_block_ids)
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block_id)
+            block.ref_cnt += 1
+            table.append(block_id)
+        if computed_block_ids is not None:  # an admission: count the lookup
+            self._num_registered[request.request_id] = len(computed)
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += len(computed) * self.block_size
+        new_block_ids = [self._take_free_block() for _ in range(num_new_blocks)]
+        table.extend(new_block_ids)
         return new_block_ids
+
+    def _take_free_block(self) -> int:
+        block = self.blocks[self.free_queue.popleft()]
+        assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
+        if block.block_hash is not None:  # evict the least recently used cached block
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = block.token_ids = None
+        block.ref_cnt = 1
+        return block.block_id
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks of ``request`` that became full and computed, so later requests can reuse them."""
+        if not self.enable_caching:
+            return
+        table = self.get_block_ids(request.request_id)
+        done = self._num_registered.get(request.request_id, 0)
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        if num_full <= done:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        for i in range(done, num_full):
+            block = self.blocks[table[i]]
+            if block.block_hash is None and hashes[i] not in self.cached_blocks:
+                block.block_hash = hashes[i]
+                block.token_ids = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self.cached_blocks[hashes[i]] = block.block_id
+        self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``. Idempotent, so finish, abort and preempt may all call it."""
         block_ids = self.block_tables.pop(request.request_id, [])
-        # NOTE: the tail block goes back first, so if blocks are later reused from the front of the queue the
-        # blocks at the start of a sequence (the ones most worth keeping for prefix reuse) go last.
+        self._num_registered.pop(request.request_id, None)
+        # NOTE: the tail goes back first, so the tail is evicted before the head: a prefix stays reusable longest.
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
@@ -138,3 +207,6 @@ class BlockManager:
             num_free += is_free
         assert num_free == len(self.free_queue)
         assert num_free + sum(1 for h in holders if h > 0) == self.num_blocks, "free + used != total"
+        for block_hash, block_id in self.cached_blocks.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"hash map entry of block {block_id} is stale"
+        assert len(self.cached_blocks) == sum(1 for b in self.blocks if b.block_hash is not None)

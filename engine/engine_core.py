@@ -35,6 +35,8 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class EngineCore:
@@ -70,7 +72,7 @@ class EngineCore:
 
         self.kv_cache = self._allocate_kv_cache()
         logger.info(self.kv_cache.describe())
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.limits = EngineLimits(self.max_model_len, self.vocab_size, config.block_size, self.kv_cache.num_blocks)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
@@ -129,6 +131,8 @@ class EngineCore:
             bm.num_free_blocks,
             bm.num_blocks,
             self.scheduler.num_preemptions,
+            bm.num_query_tokens,
+            bm.num_hit_tokens,
         )
 
     # ---- the step ----------------------------------------------------------------------------------------------
@@ -160,6 +164,8 @@ class EngineCore:
                     finish_reason=request.status.value if request.request_id in finished else None,
                     stop_reason=request.stop_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    queue_time=request.first_scheduled_time - request.arrival_time if first else None,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs

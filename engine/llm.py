@@ -63,6 +63,7 @@ class LLM:
             result.outputs.append(state.to_completion())
             if state.prompt_logprobs is not None:
                 result.prompt_logprobs = state.prompt_logprobs
+            result.num_cached_tokens += state.num_cached_tokens
         for result in results:
             result.outputs.sort(key=lambda c: c.index)
             result.finished = True

@@ -30,6 +30,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -74,6 +75,7 @@ class OutputProcessor:
             return state, False
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
+        state.num_cached_tokens = output.num_cached_tokens
         state.token_ids += output.new_token_ids
         if output.new_logprobs is not None and state.logprobs is not None:
             for token_id, entry in zip(output.new_token_ids, output.new_logprobs, strict=True):

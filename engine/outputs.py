@@ -29,6 +29,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival in the engine to the first step; with the first token
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @property
     def finished(self) -> bool:
@@ -54,3 +55,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over the n samples

@@ -52,6 +52,10 @@ class Request:
     # Prompt logprobs are collected once; a recompute after preemption does not produce them again.
     num_prompt_logprobs_done: int = 0
     prompt_logprobs: list = field(default_factory=list)
+    # Prefix caching: the chained hash of each full block of all_token_ids (extended as tokens are added), and how
+    # many prompt tokens the first admission found already cached.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -85,3 +89,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Hash every full block not hashed yet; block i's hash covers its tokens and block i-1's hash, so equal
+        hashes mean equal prefixes (the block manager still compares token ids on a hit)."""
+        for i in range(len(self.block_hashes), self.num_tokens // block_size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash((parent, tuple(self.all_token_ids[i * block_size : (i + 1) * block_size]))))
+        return self.block_hashes

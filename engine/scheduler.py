@@ -43,7 +43,9 @@ class Scheduler:
     Policy: first come, first served. Both queues are kept in arrival order; running decodes are scheduled
     before prefill chunks; when the pool runs dry the *newest* running request is preempted (its blocks freed,
     to be recomputed later) and goes back to the waiting queue in arrival order, so the oldest request always
-    makes progress and nothing starves. A step that had to preempt admits no new request.
+    makes progress and nothing starves. A step that had to preempt admits no new request. With prefix caching, an
+    admitted request starts after its longest cached prefix, and the head of the queue waits while a running
+    prefill is computing the very block it would need next (n samples of one prompt compute it once).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -134,22 +136,43 @@ class Scheduler:
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
 
+        pending = self._pending_block_hashes() if self.waiting and self.block_manager.enable_caching else set()
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.block_manager.allocate_slots(request, num_new) is None:
+            computed = self.block_manager.get_computed_blocks(request)
+            hashes = request.block_hashes
+            if len(computed) < len(hashes) and hashes[len(computed)] in pending:
+                break  # a running prefill is computing this request's next block: wait a step and share it
+            num_computed = len(computed) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.block_manager.allocate_slots(request, num_new, computed) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
+            request.num_computed_tokens = num_computed
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
+            if self.block_manager.enable_caching:
+                pending.update(self._blocks_being_prefilled(request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
         tables = {r.request_id: self.block_manager.get_block_ids(r.request_id) for r in scheduled}
         return SchedulerOutput(scheduled, num_scheduled, tables, preempted)
+
+    def _pending_block_hashes(self) -> set[int]:
+        """Hashes of the full prompt blocks that running requests are still prefilling."""
+        return {h for request in self.running for h in self._blocks_being_prefilled(request)}
+
+    def _blocks_being_prefilled(self, request: Request) -> list[int]:
+        size = self.block_manager.block_size
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            return []
+        hashes = request.update_block_hashes(size)
+        return hashes[request.num_computed_tokens // size : request.num_prompt_tokens // size]
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests by what was computed, append sampled tokens, and finish the requests
@@ -158,6 +181,7 @@ class Scheduler:
         for request in output.scheduled_requests:
             request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
             assert request.num_computed_tokens <= request.num_tokens
+            self.block_manager.cache_full_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt

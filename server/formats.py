@@ -89,7 +89,10 @@ class ChatFormat:
                 "stop_reason": stop_reason}
 
 
-def usage(prompt_tokens: int, states: list[RequestState]) -> dict:
+def usage(prompt_tokens: int, states: list[RequestState], n: int) -> dict:
+    """Prompt tokens count once per prompt whatever ``n`` is; ``cached_tokens`` is what the prefix cache held of
+    each prompt when its first sample was admitted."""
     completion = sum(len(s.token_ids) for s in states)
+    cached = sum(s.num_cached_tokens for s in states if s.index % n == 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}

@@ -34,20 +34,26 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV recomputed later).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first step.")
-        self._preemptions_seen = 0
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
 
     def update_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.num_preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
+        # The engine reports cumulative counts; Prometheus counters take increments.
+        for key, counter, value in (("preemptions", self.num_preemptions, stats.num_preemptions),
+                                    ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
+                                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+                self._seen[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

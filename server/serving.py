@@ -147,7 +147,7 @@ class OpenAIServing:
                 logprobs = fmt.logprobs(token_ids, entries, num_logprobs, 0)
             out_choices.append(fmt.choice(state.index, text, logprobs, state.finish_reason, state.stop_reason))
         return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
-                             "usage": usage(num_prompt_tokens, states)})
+                             "usage": usage(num_prompt_tokens, states, params.n)})
 
     async def _collect(self, choices: list[Choice], raw: Request) -> list[RequestState]:
         finished: dict[int, RequestState] = {}
@@ -226,7 +226,8 @@ class OpenAIServing:
                         choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason)
                     yield event({**chunk_header, "choices": [choice], **extra})
             if include_usage:
-                yield event({**chunk_header, "choices": [], "usage": usage(num_prompt_tokens, list(states.values()))})
+                total = usage(num_prompt_tokens, list(states.values()), n)
+                yield event({**chunk_header, "choices": [], "usage": total})
         except (RequestRejectedError, EngineDeadError) as e:
             status = 400 if isinstance(e, RequestRejectedError) else 503
             yield event(APIError(status, str(e)).body())

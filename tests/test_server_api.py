@@ -226,3 +226,15 @@ async def test_greedy_same_alone_or_among_32_concurrent(server):
     assert all(r.status_code == 200 for r in results)
     assert results[16].json()["choices"][0]["text"] == alone
     wait_pool_free(server)
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server):
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 2, "temperature": 0}
+    first = httpx.post(f"{server.base_url}/v1/completions", json=body).json()
+    second = httpx.post(f"{server.base_url}/v1/completions", json=body).json()
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    prompt_tokens = second["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16 > 0
+    m = server.metrics()
+    assert m["harpoon:prefix_cache_hits_total"] >= second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert m["harpoon:prefix_cache_queries_total"] >= 2 * prompt_tokens
