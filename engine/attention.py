@@ -143,3 +143,48 @@ def store_kv(
 ) -> None:
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+class TritonAttention(TorchAttention):
+    """Paged attention through the Triton kernels in ``kernels/``: K/V stored by slot, decodes by the split-KV
+    decode kernel, prefill chunks by the varlen prefill kernel; nothing is gathered into contiguous tensors.
+
+    The default on CUDA; on a CPU it runs only under the Triton interpreter (tests)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        from kernels.decode_attention import decode_attention
+        from kernels.prefill_attention import prefill_attention
+        from kernels.store_kv import store_kv as triton_store_kv
+
+        self._decode, self._prefill, self._store = decode_attention, prefill_attention, triton_store_kv
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
+                         out=out[:nd])
+        if nd < meta.num_reqs:
+            first = meta.query_start_loc_cpu[nd]
+            qsl = meta.query_start_loc[nd:] - first
+            self._prefill(q[first:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:],
+                          meta.max_query_len, self.scale, out=out[first:])
+        return out
+
+
+def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
+    if backend == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
+    if backend == "triton":
+        return TritonAttention(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"unknown attention backend {backend!r}")

@@ -7,6 +7,7 @@ process. Tokenization happens outside; requests arrive as token ids.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -59,11 +60,12 @@ class EngineCore:
         self.dtype = config.resolve_dtype(self.device)
 
         self.attention_backend = config.resolve_attention_backend(self.device)
-        if self.attention_backend != "torch":
-            raise ValueError(f"attention backend {self.attention_backend!r} is not available in this build")
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if self.attention_backend == "triton" and self.device.type != "cuda" and not interpreted:
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
         started = time.monotonic()
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.hf_config, max_position=self.max_model_len)
+            model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.attention_backend)
         model.load_weights(iter_weights(files))
         self.model = model.to(self.dtype).eval()
         logger.info(

@@ -20,9 +20,11 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
+# isort: off
+from engine import LLM, SamplingParams  # before torch: it sets the OpenMP policy torch reads when it loads
 import torch
 
-from engine import LLM, SamplingParams
+# isort: on
 from loadtest.memory import PeakRSS
 
 SWEEP_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."

@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# isort: off
+import engine  # noqa: F401  (before torch: it sets the OpenMP policy torch reads when it loads)
 import pytest
 import torch
 
-import engine  # noqa: F401  (first: it sets the OpenMP policy before torch loads)
-from engine.model_loader import resolve_model
+# isort: on
 
+# Triton kernels run under the interpreter when there is no GPU; it must be chosen before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engine.model_loader import resolve_model  # noqa: E402
 
 # Prompts of different lengths; the last ones span several 16-token blocks.
 PROMPTS = [

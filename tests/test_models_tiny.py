@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import TritonAttention
 from tests.conftest import TINY_CONFIGS, hf_greedy
 
 
@@ -26,3 +27,19 @@ def test_tiny_model_greedy_matches_transformers(kind, tiny_model):
     bm = llm.engine.block_manager
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
+    """The engine with the Triton kernels (interpreted on CPU) gives transformers' greedy tokens too."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(kind)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 23)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert isinstance(llm.engine.model.layers[0].self_attn.attn, TritonAttention)

@@ -10,6 +10,7 @@ half precision) this is plain ``F.linear``.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 USE_OPENBLAS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+if not USE_OPENBLAS and not torch.cuda.is_available():
+    logging.getLogger(__name__).warning(
+        "torch was imported before engine without OMP_WAIT_POLICY=PASSIVE: CPU matmuls stay on torch's MKL, which "
+        "is slower on this kind of CPU; import engine first or export OMP_WAIT_POLICY=PASSIVE")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

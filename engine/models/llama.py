@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import AttentionMetadata, make_attention
 from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
 
@@ -58,7 +58,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding, backend: str
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -70,7 +72,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = make_attention(backend, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
         self,
@@ -105,9 +107,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding, backend: str
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, variant, rotary)
+        self.self_attn = Attention(config, variant, rotary, backend)
         self.mlp = MLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -136,14 +140,16 @@ _STACKED = {
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
 
-    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int, attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         variant = variant_for(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, variant, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, self.rotary, attention_backend) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
