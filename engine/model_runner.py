@@ -70,10 +70,13 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
-        prompt_rows = [row for s in scorings for row in s.rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + prompt_rows, device=self.device)])
-
         out = ModelRunnerOutput()
+        prompt_rows = [row for s in scorings for row in s.rows]
+        if not sample_rows and not prompt_rows:
+            return out  # only prefill chunks that end mid-prompt: K/V written, nothing to sample or score
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+
         if sampled:
             sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device)
             result = self.sampler(logits[: len(sampled)], sampling)

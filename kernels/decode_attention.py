@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import online_softmax_step
+
 MAX_SPLITS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -84,12 +86,7 @@ def _decode_split_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_H, BLOCK_SIZE]
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
     has_keys = l_i > 0  # a split past the end of a short sequence saw no key
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)

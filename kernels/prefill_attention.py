@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import online_softmax_step
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -85,12 +87,7 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
     out = acc / l_i[:, None]  # every valid query sees at least key 0
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],

@@ -53,13 +53,16 @@ def throughput(llm: LLM, num_seqs: int, min_len: int, max_input_len: int, max_ou
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.engine.stats()
     return {
         "num_seqs": num_seqs,
         "input_tokens": sum(len(p) for p in prompts),
         "output_tokens": num_out,
         "seconds": elapsed,
         "output_tok_s": num_out / elapsed,
-        "preemptions": llm.engine.scheduler.num_preemptions,
+        "preemptions": stats.num_preemptions,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
     }
 
 
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"\nthroughput: {tp['num_seqs']} requests, {tp['input_tokens']} input / {tp['output_tokens']} output "
             f"tokens in {tp['seconds']:.1f} s = {tp['output_tok_s']:.1f} output tok/s "
-            f"({tp['preemptions']} preemptions)"
+            f"({tp['preemptions']} preemptions; prefix cache: {tp['prefix_cache_hits']} of "
+            f"{tp['prefix_cache_queries']} prompt tokens hit)"
         )
     if args.part in ("all", "sweep"):
         prompt_ids = llm.tokenizer.encode(SWEEP_PROMPT)

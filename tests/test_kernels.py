@@ -16,7 +16,7 @@ from kernels.reference import ref_decode_attention, ref_prefill_attention, ref_s
 from kernels.store_kv import store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def make_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -54,6 +54,7 @@ DECODE_CASES = [
     ([1, 2, 3, 4, 5, 6, 7], 1, 128, 32, torch.float16),
     ([33, 64, 65, 1, 300, 17, 15, 16], 4, 64, 32, torch.float32),
     ([129, 300], 8, 128, 16, torch.float16),
+    ([16, 17, 70], 4, 64, 16, torch.bfloat16),  # loaded as bf16, computed in fp32
 ]
 
 
@@ -78,6 +79,7 @@ PREFILL_CASES = [
     ([17, 1, 16], [0, 40, 15], 3, 64, 16, torch.float32),
     ([33, 20], [31, 0], 4, 128, 32, torch.float16),
     ([1, 2, 40], [300, 17, 64], 8, 64, 16, torch.float16),
+    ([9, 16], [16, 3], 3, 64, 32, torch.bfloat16),
 ]
 
 
@@ -108,7 +110,7 @@ def test_prefill_with_one_token_chunks_equals_decode():
     torch.testing.assert_close(prefill, decode, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_store_kv_writes_slots_and_skips_padding(dtype):
     num_blocks, block_size, kv_heads, head_dim = 6, 16, 2, 64
     k = torch.randn(5, kv_heads, head_dim).to(dtype).to(DEVICE)

@@ -1,0 +1,25 @@
+"""The online-softmax step both attention kernels take for each block of keys (flash-attention style).
+
+State per query row: ``m_i`` the running max of the scores, ``l_i`` the running sum of exp(score - m_i), and
+``acc`` the running sum of exp(score - m_i) * value; the attention output is acc / l_i once every block is seen.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_step(
+    acc,  # [ROWS, HEAD_DIM] fp32
+    m_i,  # [ROWS] fp32
+    l_i,  # [ROWS] fp32
+    s,  # [ROWS, KEYS] fp32 scores of this block, -inf where a key is not visible
+    v,  # [KEYS, HEAD_DIM] values of this block
+    DOT_PRECISION: tl.constexpr,
+):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
