@@ -9,7 +9,7 @@ import triton.language as tl
 
 
 @triton.jit
-def online_softmax_step(
+def online_softmax_step(  # noqa: ANN201  (a Triton device function: tensors are typed by Triton itself)
     acc,  # [ROWS, HEAD_DIM] fp32
     m_i,  # [ROWS] fp32
     l_i,  # [ROWS] fp32

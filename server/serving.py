@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.limits import InvalidRequestError
@@ -22,6 +22,8 @@ from server.formats import ChatFormat, CompletionFormat, TokenText, usage
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 DISCONNECT_POLL_S = 0.05
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+ResponseFormat = CompletionFormat | ChatFormat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +94,7 @@ class OpenAIServing:
                 prompts.append(Prompt(None, list(item)))
         return prompts
 
-    async def completions(self, body: CompletionRequest, raw: Request):
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompts = self.completion_prompts(body)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
@@ -109,7 +111,7 @@ class OpenAIServing:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompt = self.chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -118,8 +120,9 @@ class OpenAIServing:
         return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs)
 
     # ---- shared -------------------------------------------------------------------------------------------------
-    async def _serve(self, body, raw: Request, prefix: str, prompts: list[Prompt], params: SamplingParams, fmt,
-                     num_logprobs: int | None, echo: bool = False):
+    async def _serve(self, body: OpenAIRequest, raw: Request, prefix: str, prompts: list[Prompt],
+                     params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None,
+                     echo: bool = False) -> Response:
         self._validate(prompts, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = self._choices(request_id, prompts, params)
@@ -176,7 +179,7 @@ class OpenAIServing:
                 task.cancel()
         return list(finished.values())
 
-    async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt,
+    async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt: ResponseFormat,
                       num_logprobs: int | None, echo: bool, include_usage: bool,
                       num_prompt_tokens: int) -> AsyncIterator[str]:
         chunk_header = {**header, "object": fmt.chunk_object}
@@ -234,7 +237,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def _sampling_params(body, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+def _sampling_params(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                      ) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
