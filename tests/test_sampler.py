@@ -63,6 +63,7 @@ def test_min_p_masks_relative_to_the_top_token():
 
 
 def test_sampling_follows_the_distribution():
+    torch.manual_seed(5)  # unseeded rows draw from the global generator: fix it so the test is deterministic
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0])
     logits = torch.log(probs + 1e-20).repeat(4000, 1)
     out = sample(logits, [request(i) for i in range(4000)])
@@ -71,6 +72,7 @@ def test_sampling_follows_the_distribution():
 
 
 def test_temperature_sharpens():
+    torch.manual_seed(6)
     logits = torch.tensor([[1.0, 0.0, 0, 0, 0, 0, 0, 0]]).repeat(3000, 1)
     cold = sample(logits, [request(i, temperature=0.1) for i in range(3000)]).token_ids
     assert (cold == 0).float().mean() > 0.99
