@@ -19,7 +19,7 @@ from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
 from engine.limits import EngineLimits
 from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -96,13 +96,8 @@ class EngineCore:
 
     def _allocate_kv_cache(self) -> KVCache:
         cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         spec = KVCacheSpec(
-            cfg.num_hidden_layers,
-            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim,
-            self.config.block_size,
-            self.dtype,
+            cfg.num_hidden_layers, num_kv_heads_of(cfg), head_dim_of(cfg), self.config.block_size, self.dtype
         )
         budget = resolve_budget(
             self.config.kv_cache_memory, self.device, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -50,7 +49,7 @@ class LLM:
                 results.append(result)
                 for index in range(params.n):
                     child_id = f"{result.request_id}-{index}"
-                    child_params = _child_params(params, index)
+                    child_params = params.for_sample(index)
                     self.engine.add_request(child_id, token_ids, child_params)
                     processor.add_request(child_id, index, token_ids, child_params)
                     children[child_id] = (result, index)
@@ -85,8 +84,3 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         return [prompts]  # one prompt given as token ids
     return prompts
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample ``index`` of ``n``: its own request with n=1; a seed is offset so the samples differ but repeat."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -76,6 +77,12 @@ class SamplingParams:
             )
         for token_id, bias in self.logit_bias.items():
             check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Sample ``index`` of ``n`` runs as a request of its own with n=1; a seed is offset by the index so the
+        samples differ from each other yet repeat from run to run."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -63,14 +63,16 @@ class OpenAIServing:
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=e.param) from None
 
+    def _prompt_text(self, prompt: Prompt) -> str:
+        """What ``echo`` repeats: the prompt as sent, or its token ids decoded."""
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
     def _choices(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> list[Choice]:
         choices = []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
-                seed = None if params.seed is None else params.seed + j
-                child = dataclasses.replace(params, n=1, seed=seed)
                 index = i * params.n + j
-                choices.append(Choice(f"{request_id}-{index}", prompt.token_ids, child, index))
+                choices.append(Choice(f"{request_id}-{index}", prompt.token_ids, params.for_sample(j), index))
         return choices
 
     # ---- /v1/completions ------------------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ class OpenAIServing:
             token_ids = list(state.token_ids)
             entries: list = list(state.logprobs or [])
             if echo:
-                text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
+                text = self._prompt_text(prompt) + text
                 token_ids = prompt.token_ids + token_ids
                 entries = list(state.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
             if num_logprobs is not None:
@@ -200,7 +202,7 @@ class OpenAIServing:
             if echo:
                 for c in choices:
                     prompt = prompts[c.index // n]
-                    text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+                    text = self._prompt_text(prompt)
                     text_offset[c.index] = len(text)
                     yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, text, None, None, None)],
                                  **extra})

@@ -29,6 +29,14 @@ class DecoderVariant:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
 
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def variant_for(config: PretrainedConfig) -> DecoderVariant:
     arch = (config.architectures or ["LlamaForCausalLM"])[0]
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -63,8 +71,8 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
@@ -144,8 +152,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         variant = variant_for(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, variant, self.rotary, attention_backend) for _ in range(config.num_hidden_layers)
