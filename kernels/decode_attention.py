@@ -17,16 +17,13 @@ kernels, so the launch shape is the same for every step of a given batch size (C
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import online_softmax_step
+from kernels.online_softmax import compute_mode, online_softmax_step
 
 MAX_SPLITS = 32
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -148,12 +145,12 @@ def decode_attention(
     out = torch.empty_like(q) if out is None else out
     mid_out = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    upcast = _INTERPRET or q.dtype == torch.float32
+    upcast, dot_precision = compute_mode(q.dtype)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_out, mid_lse, scale, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, UPCAST=upcast, DOT_PRECISION=dot_precision,
     )
     _decode_merge_kernel[(num_reqs, num_heads)](
         mid_out, mid_lse, out, num_splits, out.stride(0), out.stride(1),

@@ -1,11 +1,23 @@
-"""The online-softmax step both attention kernels take for each block of keys (flash-attention style).
+"""What both attention kernels share: the online-softmax step for each block of keys, and how they compute.
 
 State per query row: ``m_i`` the running max of the scores, ``l_i`` the running sum of exp(score - m_i), and
 ``acc`` the running sum of exp(score - m_i) * value; the attention output is acc / l_i once every block is seen.
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compute_mode(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast, dot precision) for inputs of ``dtype``. Loads are upcast to fp32 under the interpreter (its
+    half-precision math is wrong) and for fp32 inputs; fp32 dots then run in full IEEE precision, not TF32."""
+    upcast = _INTERPRET or dtype == torch.float32
+    return upcast, "ieee" if upcast else "tf32"
 
 
 @triton.jit

@@ -14,15 +14,11 @@ prefill (num_cached = 0), chunked prefill and prefix-cache hits; a one-token chu
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import online_softmax_step
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.online_softmax import compute_mode, online_softmax_step
 
 
 @triton.jit
@@ -111,12 +107,12 @@ def prefill_attention(
     out = torch.empty_like(q) if out is None else out
     num_reqs = seq_lens.shape[0]
     block_m = 64 if q.is_cuda else 16
-    upcast = _INTERPRET or q.dtype == torch.float32
+    upcast, dot_precision = compute_mode(q.dtype)
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        BLOCK_M=block_m, UPCAST=upcast, DOT_PRECISION=dot_precision,
     )
     return out
