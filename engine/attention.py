@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -63,13 +65,25 @@ class TorchAttention:
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd])
+        self._prefills(q, k, v, k_cache, v_cache, meta, out)
+        return out
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(nd, meta.num_reqs):
+        for i in range(meta.num_decodes, meta.num_reqs):
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta.block_tables[i], seq_lens[i]
             )
-        return out
 
     def _decode(
         self,
@@ -145,6 +159,30 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+class CpuAttention(TorchAttention):
+    """fp32 on a CPU: the C kernels of ``kernels/cpu`` store K/V and attend the decodes straight from the pages
+    (no per-layer gather); prefill chunks keep torch's flash attention, which is faster for long queries."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        nd = meta.num_decodes
+        if nd:
+            cpu_kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out[:nd]
+            )
+        self._prefills(q, k, v, k_cache, v_cache, meta, out)
+        return out
+
+
 class TritonAttention(TorchAttention):
     """Paged attention through the Triton kernels in ``kernels/``: K/V stored by slot, decodes by the split-KV
     decode kernel, prefill chunks by the varlen prefill kernel; nothing is gathered into contiguous tensors.
@@ -172,13 +210,21 @@ class TritonAttention(TorchAttention):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                         out=out[:nd])
+            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd])
         if nd < meta.num_reqs:
             first = meta.query_start_loc_cpu[nd]
             qsl = meta.query_start_loc[nd:] - first
-            self._prefill(q[first:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:],
-                          meta.max_query_len, self.scale, out=out[first:])
+            self._prefill(
+                q[first:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                qsl,
+                meta.seq_lens[nd:],
+                meta.max_query_len,
+                self.scale,
+                out=out[first:],
+            )
         return out
 
 
@@ -187,4 +233,6 @@ def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: in
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
     if backend == "triton":
         return TritonAttention(num_heads, num_kv_heads, head_dim, scale)
+    if backend == "cpu":
+        return CpuAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -55,7 +55,8 @@ _HELP = {
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",
     "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
     "device": "auto, cpu, cuda, cuda:1, ...",
-    "attention_backend": "auto (triton on CUDA, torch on CPU), torch, triton",
+    "attention_backend": "auto (triton on CUDA, cpu for fp32 on a CPU with a C compiler, else torch), cpu, torch, "
+    "triton",
     "seed": "seed of the engine's random state (requests may carry their own)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
 }

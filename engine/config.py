@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu as cpu_kernels
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
 
@@ -50,8 +52,8 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory in bytes must be > 1, got {m}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -72,10 +74,12 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def resolve_attention_backend(self, device: torch.device) -> str:
-        if self.attention_backend == "auto":
-            return "triton" if device.type == "cuda" else "torch"
-        return self.attention_backend
+    def resolve_attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if dtype == torch.float32 and cpu_kernels.available() else "torch"
 
     def resolve_max_num_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -24,6 +24,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +60,21 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         self.dtype = config.resolve_dtype(self.device)
 
-        self.attention_backend = config.resolve_attention_backend(self.device)
+        self.attention_backend = config.resolve_attention_backend(self.device, self.dtype)
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if self.attention_backend == "triton" and self.device.type != "cuda" and not interpreted:
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        if self.attention_backend == "cpu" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError("the cpu attention backend (C kernels) runs float32 on a CPU only")
+        if self.attention_backend == "cpu" and not cpu_kernels.available():
+            raise ValueError("the cpu attention backend needs a C compiler (cc/gcc, or $CC) to build kernels/cpu")
         started = time.monotonic()
         with torch.device(self.device):
             model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.attention_backend)
         model.load_weights(iter_weights(files))
         self.model = model.to(self.dtype).eval()
+        if self.attention_backend == "cpu":
+            self.model.use_cpu_kernels()
         logger.info(
             "loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device, time.monotonic() - started
         )

@@ -10,8 +10,9 @@ from engine.attention import TritonAttention
 from tests.conftest import TINY_CONFIGS, hf_greedy
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
-def test_tiny_model_greedy_matches_transformers(kind, tiny_model):
+def test_tiny_model_greedy_matches_transformers(kind, backend, tiny_model):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_model(kind)
@@ -21,9 +22,11 @@ def test_tiny_model_greedy_matches_transformers(kind, tiny_model):
     expected = [hf_greedy(hf, p, 24) for p in prompts]
 
     # block_size 4 and a 16-token budget: multi-block tables and chunked prefill for the longer prompts.
-    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
+              attention_backend=backend)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.attention_backend == backend
     bm = llm.engine.block_manager
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks

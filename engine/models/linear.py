@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu as cpu_kernels
+
 USE_OPENBLAS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 if not USE_OPENBLAS and not torch.cuda.is_available():
     logging.getLogger(__name__).warning(
         "torch was imported before engine without OMP_WAIT_POLICY=PASSIVE: CPU matmuls stay on torch's MKL, which "
-        "is slower on this kind of CPU; import engine first or export OMP_WAIT_POLICY=PASSIVE")
+        "is slower on this kind of CPU; import engine first or export OMP_WAIT_POLICY=PASSIVE"
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,5 +37,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be packed once for the C kernels (``kernels/cpu``); packing frees the
+    original layout, so the model's weights are held once either way."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu_kernels(self) -> None:
+        self.packed = cpu_kernels.pack_weight(self.weight.detach())
+        self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         return linear(x, self.weight, self.bias)

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from engine.attention import AttentionMetadata, make_attention
 from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
+from kernels import cpu as cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,26 @@ def variant_for(config: PretrainedConfig) -> DecoderVariant:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add before it (``norm(x, residual)`` adds x into residual)."""
+
+    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps) if self.fused else self._norm(x)
+        if self.fused:
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers, so fp32 results are bit-identical.
         input_dtype = x.dtype
         x = x.to(torch.float32)
@@ -101,6 +116,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -110,7 +127,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -128,11 +148,18 @@ class DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's MLP output and the residual stream before it (added in by the next norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 # HF checkpoint name -> (our fused parameter, which shard). Order of shards inside the fused weight follows the list.
@@ -159,9 +186,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.packed_lm_head: torch.Tensor | None = None
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -170,14 +196,31 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: (k, v) pools
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        if self.packed_lm_head is not None:
+            return cpu_kernels.linear(hidden, self.packed_lm_head, self.config.vocab_size)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
+
+    def use_cpu_kernels(self) -> None:
+        """Switches an fp32 CPU model, once its weights are loaded, to the C kernels of ``kernels/cpu``: packed
+        weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
+        ("cpu") is chosen at construction."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu_kernels()
+            elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
+                module.fused = True
+        # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
+        if self.lm_head is None:
+            self.packed_lm_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
+        else:
+            self.packed_lm_head = self.lm_head.packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from kernels import cpu as cpu_kernels
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The RoPE settings of ``config`` in transformers 5's shape (``rope_parameters``), also from 4.x configs."""
@@ -38,6 +40,8 @@ def inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch
 
 
 class RotaryEmbedding(torch.nn.Module):
+    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
@@ -52,6 +56,10 @@ class RotaryEmbedding(torch.nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:  # C kernel in place, straight into the fused qkv rows
+            cpu_kernels.rotary_(q, positions, self.cos_cache, self.sin_cache)
+            cpu_kernels.rotary_(k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

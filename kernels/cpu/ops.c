@@ -1,0 +1,261 @@
+/* Harpoon's fp32 CPU kernels, loaded through ctypes by kernels/cpu/__init__.py.
+ *
+ * Why C: on a small CPU a decode step is a few hundred tiny operations. Torch spends more time dispatching them,
+ * and its decode attention must first gather every request's KV blocks into a contiguous copy per layer. These
+ * kernels read the paged pool in place and stream the weights of a skinny matmul exactly once.
+ *
+ * Plain C with GCC vector extensions (8 floats, one AVX2 register) and OpenMP; no intrinsics, so it builds with
+ * -march=native on any x86-64 or ARM host. Every pointer is fp32 and contiguous unless a stride says otherwise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+static inline v8f load8(const float *p) { return *(const v8f *)p; }
+
+static inline float hsum8(v8f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    v8f acc0 = {0}, acc1 = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 += load8(a + i) * load8(b + i);
+        acc1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
+    float s = hsum8(acc0 + acc1);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Weights of a linear layer, packed once at load time: w [N, K] becomes panels [ceil(N / NR), K, NR], so the
+ * micro-kernel reads NR output columns of one k as contiguous vectors, and a whole panel streams sequentially. */
+#ifndef NV
+#define NV 4 /* vectors of 8 columns per panel: 32 columns, 12 accumulators with MR = 3 (measured best) */
+#endif
+#ifndef MR
+#define MR 3
+#endif
+#define NR (8 * NV)
+
+int hp_panel_width(void) { return NR; }
+
+void hp_pack_weight(const float *w, float *packed, int N, int K) {
+    int panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < NR; j++) {
+                int n = p * NR + j;
+                packed[((int64_t)p * K + k) * NR + j] = n < N ? w[(int64_t)n * K + k] : 0.0f;
+            }
+}
+
+/* y[rows, cols] (+)= x[rows, kc] . panel[kc, NR]: NV * rows accumulators, one broadcast of x per row and k. The
+ * first k block stores, later ones add, the last adds the bias. */
+static inline __attribute__((always_inline)) void micro_kernel(int rows, const float *x, int64_t ldx,
+                                                               const float *panel, int kc, float *y, int64_t ldy,
+                                                               int cols, const float *bias, int first) {
+    v8f c[MR][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
+    for (int k = 0; k < kc; k++) {
+        v8f b[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) b[v] = load8(panel + (int64_t)k * NR + 8 * v);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            if (i < rows) {
+                v8f a = (v8f){0} + x[i * ldx + k];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        if (i >= rows) break;
+        float *yi = y + i * ldy;
+        if (cols == NR && !bias) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) *(v8f *)(yi + 8 * v) = first ? c[i][v] : load8(yi + 8 * v) + c[i][v];
+        } else {
+            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
+ * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
+ * 16 KB) stays in L1 while every row of the block passes over it. A decode batch thus streams the weights once. */
+#define KC 128
+void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
+               int N, int K) {
+    int panels = (N + NR - 1) / NR;
+    int block = (int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR;
+    for (int m0 = 0; m0 < M; m0 += block) {
+        int m1 = m0 + block < M ? m0 + block : M;
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                const float *panel = packed + ((int64_t)p * K + k0) * NR;
+                int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0;
+                const float *b = bias && k0 + KC >= K ? bias + n0 : 0;
+                for (int m = m0; m < m1; m += MR) {
+                    const float *xm = x + m * ldx + k0;
+                    float *ym = y + m * ldy + n0;
+                    switch (m1 - m < MR ? m1 - m : MR) {
+                    case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+                    case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+#if MR > 3
+                    case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+                    case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+                    case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+#endif
+                    default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Attention of one query token per sequence over its paged context, for a whole batch of decodes.
+ *   q:      [num_seqs, num_heads, head_dim] (token stride q_stride)
+ *   cache:  [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
+ *   tables: [num_seqs, table_stride] int32 block ids; seq_lens: [num_seqs] int32 context lengths
+ *   out:    [num_seqs, num_heads, head_dim] (token stride out_stride)
+ * One task per (sequence, KV head) handles the query heads of its GQA group together, so each K/V row is read once.
+ * Softmax is exact (scores kept, max subtracted), not online: contexts fit in a per-thread scratch row. */
+void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+                               int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                               int block_size, float scale) {
+    int group = num_heads / num_kv_heads;
+    int max_len = 1;
+    for (int s = 0; s < num_seqs; s++)
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    int64_t row = (int64_t)num_kv_heads * head_dim;  // floats per cache slot
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * ((size_t)group * max_len + (size_t)group * head_dim));
+        float *acc = scores + (size_t)group * max_len;
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < num_seqs * num_kv_heads; t++) {
+            int s = t / num_kv_heads, h = t % num_kv_heads, len = seq_lens[s];
+            const int32_t *table = tables + (int64_t)s * table_stride;
+            const float *qh = q + (int64_t)s * q_stride + (int64_t)h * group * head_dim;
+            for (int pos0 = 0; pos0 < len; pos0 += block_size) {
+                const float *k = k_cache + (int64_t)table[pos0 / block_size] * block_size * row + (int64_t)h * head_dim;
+                int end = pos0 + block_size < len ? pos0 + block_size : len;
+                for (int pos = pos0; pos < end; pos++, k += row)
+                    for (int g = 0; g < group; g++)
+                        scores[(int64_t)g * len + pos] = dot(qh + g * head_dim, k, head_dim) * scale;
+            }
+            for (int g = 0; g < group; g++) {
+                float *sg = scores + (int64_t)g * len, mx = -INFINITY, sum = 0.0f;
+                for (int pos = 0; pos < len; pos++) mx = sg[pos] > mx ? sg[pos] : mx;
+                for (int pos = 0; pos < len; pos++) {
+                    sg[pos] = expf(sg[pos] - mx);
+                    sum += sg[pos];
+                }
+                float inv = 1.0f / sum;
+                for (int pos = 0; pos < len; pos++) sg[pos] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * group * head_dim);
+            for (int pos0 = 0; pos0 < len; pos0 += block_size) {
+                const float *v = v_cache + (int64_t)table[pos0 / block_size] * block_size * row + (int64_t)h * head_dim;
+                int end = pos0 + block_size < len ? pos0 + block_size : len;
+                for (int pos = pos0; pos < end; pos++, v += row)
+                    for (int g = 0; g < group; g++) {
+                        float p = scores[(int64_t)g * len + pos];
+                        float *ag = acc + g * head_dim;
+                        for (int d = 0; d < head_dim; d++) ag[d] += p * v[d];
+                    }
+            }
+            for (int g = 0; g < group; g++)
+                memcpy(out + (int64_t)s * out_stride + (int64_t)(h * group + g) * head_dim, acc + g * head_dim,
+                       sizeof(float) * head_dim);
+        }
+        free(scores);
+    }
+}
+
+/* The small per-layer operations, each one pass over its rows. Work below ~16k elements stays on the calling
+ * thread: waking the other OpenMP thread costs more than a decode row's arithmetic. */
+#define PAR_MIN 16384
+
+static void rms_row(const float *x, const float *w, float *out, int D, float eps) {
+    v8f acc = {0};
+    int d = 0;
+    for (; d + 8 <= D; d += 8) acc += load8(x + d) * load8(x + d);
+    float ss = hsum8(acc);
+    for (; d < D; d++) ss += x[d] * x[d];
+    float r = 1.0f / sqrtf(ss / D + eps);
+    for (d = 0; d < D; d++) out[d] = w[d] * (x[d] * r);
+}
+
+/* out = w * x / rms(x), row by row (transformers' order: normalise, then scale). */
+void hp_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int M, int D, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)M * D >= PAR_MIN)
+    for (int m = 0; m < M; m++) rms_row(x + m * ldx, w, out + (int64_t)m * D, D, eps);
+}
+
+/* residual += x, then out = rms_norm(residual): the residual add of one sublayer fused with the next norm. */
+void hp_add_rms_norm(const float *x, float *residual, const float *w, float *out, int M, int D, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)M * D >= PAR_MIN)
+    for (int m = 0; m < M; m++) {
+        float *r = residual + (int64_t)m * D;
+        const float *xm = x + (int64_t)m * D;
+        for (int d = 0; d < D; d++) r[d] += xm[d];
+        rms_row(r, w, out + (int64_t)m * D, D, eps);
+    }
+}
+
+/* Rotary embedding in place on num_heads heads of each token row (the q heads and the k heads that follow them in
+ * a fused qkv row): x * cos + rotate_half(x) * sin with tables [max_position, head_dim]. */
+void hp_rotary(float *x, int64_t ldx, const int64_t *positions, const float *cos_cache, const float *sin_cache,
+               int T, int num_heads, int head_dim) {
+    int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if ((int64_t)T * num_heads * head_dim >= PAR_MIN)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_cache + positions[t] * head_dim, *s = sin_cache + positions[t] * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            float *v = x + t * ldx + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out [M, I] = silu(gate) * up for gate_up rows [M, 2I]. */
+void hp_silu_mul(const float *gate_up, float *out, int M, int I) {
+#pragma omp parallel for schedule(static) if ((int64_t)M * I >= PAR_MIN)
+    for (int m = 0; m < M; m++) {
+        const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
+        float *o = out + (int64_t)m * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Copies each token's K and V rows ([num_kv_heads * head_dim], row strides ldk and ldv) into its cache slot. */
+void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, float *k_cache, float *v_cache,
+                 const int64_t *slots, int T, int row) {
+    for (int t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * row, k + t * ldk, sizeof(float) * row);
+        memcpy(v_cache + slots[t] * row, v + t * ldv, sizeof(float) * row);
+    }
+}

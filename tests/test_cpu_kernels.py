@@ -1,0 +1,118 @@
+"""The C kernels of kernels/cpu against float64 torch references, and the engine's choice of backend.
+
+Built from source on first use; every machine this project tests on has a C compiler, so a failed build fails here
+instead of silently falling back to the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.llama import RMSNorm
+from engine.models.rotary import _rotate_half
+from kernels import cpu
+from kernels.reference import ref_decode_attention
+from tests.test_kernels import make_cache
+
+
+def test_kernels_build():
+    assert cpu.available()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 65, 300])
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 20), (1536, 576), (8, 49), (300, 33)])
+def test_linear_matches_float64(m, k, n):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu.pack_weight(w)
+    ref = x.double() @ w.double().T
+    assert torch.allclose(cpu.linear(x, packed, n).double(), ref, atol=1e-3, rtol=1e-4)
+    assert torch.allclose(cpu.linear(x, packed, n, b).double(), ref + b.double(), atol=1e-3, rtol=1e-4)
+    wide = torch.randn(m, k + 9, generator=gen)
+    strided = wide[:, 5 : 5 + k]  # rows of a fused projection's output: row stride != k
+    assert torch.allclose(cpu.linear(strided, packed, n).double(), strided.double() @ w.double().T, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 32), (8, 2, 64, 4), (4, 1, 32, 16)]
+)
+def test_paged_decode_attention(heads, kv_heads, head_dim, block_size):
+    seq_lens = [1, 5, 16, 17, 100, 333]
+    k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, seed=heads)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out)
+    ref = ref_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, head_dim**-0.5)
+    assert not out.isnan().any()  # NaN sits in every slot the kernel must not read
+    assert torch.allclose(out.double(), ref, atol=2e-5)
+
+
+def test_decode_attention_reads_strided_queries():
+    k_cache, v_cache, tables = make_cache([7, 40], 2, 64, 16, torch.float32, seed=5)
+    qkv = torch.randn(2, (4 + 2 * 2) * 64)
+    q = qkv[:, : 4 * 64].view(2, 4, 64)  # as the attention layer slices it out of the fused projection
+    lens = torch.tensor([7, 40], dtype=torch.int32)
+    out = torch.empty(2, 4, 64)
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out)
+    ref = ref_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.125)
+    assert torch.allclose(out.double(), ref, atol=2e-5)
+
+
+def test_norms_match_transformers_order():
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    x, residual = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen)
+    assert torch.allclose(cpu.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5)
+    expected, expected_residual = norm(x, residual)
+    res = residual.clone()
+    out = cpu.add_rms_norm(x, res, norm.weight, 1e-5)
+    assert torch.equal(res, expected_residual)  # the residual add is exact
+    assert torch.allclose(out, expected, atol=1e-5)
+    head_norm = RMSNorm(64, 1e-5)  # Qwen3's q/k norm: over head_dim of 3-D rows
+    head_norm.weight.data = torch.randn(64, generator=gen)
+    heads = torch.randn(3, 4, 64, generator=gen)
+    assert torch.allclose(cpu.rms_norm(heads, head_norm.weight, 1e-5), head_norm(heads), atol=1e-5)
+
+
+def test_rotary_silu_and_store():
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = torch.randn(50, 64, generator=gen), torch.randn(50, 64, generator=gen)
+    qkv = torch.randn(6, 5 * 64, generator=gen)
+    positions = torch.tensor([0, 3, 7, 8, 9, 49])
+    q = qkv[:, : 3 * 64].view(6, 3, 64)
+    expected = q * cos[positions, None] + _rotate_half(q) * sin[positions, None]
+    cpu.rotary_(q, positions, cos, sin)
+    assert torch.allclose(qkv[:, : 3 * 64].view(6, 3, 64), expected, atol=1e-5)
+
+    gate_up = torch.randn(4, 2 * 96, generator=gen)
+    g, u = gate_up.split(96, dim=-1)
+    assert torch.allclose(cpu.silu_mul(gate_up), torch.nn.functional.silu(g) * u, atol=1e-6)
+
+    k, v = qkv[:, 3 * 64 : 4 * 64].view(6, 1, 64), qkv[:, 4 * 64 :].view(6, 1, 64)
+    k_cache, v_cache = torch.zeros(4, 4, 1, 64), torch.zeros(4, 4, 1, 64)
+    slots = torch.tensor([15, 0, 5, 6, 7, 9])
+    cpu.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(16, 1, 64)[slots], k) and torch.equal(v_cache.view(16, 1, 64)[slots], v)
+
+
+def test_wrong_dtype_is_refused():
+    with pytest.raises(ValueError, match="float32"):
+        cpu.pack_weight(torch.ones(4, 4, dtype=torch.float64))
+
+
+def test_auto_backend_picks_the_c_kernels_for_fp32_cpu():
+    from engine.config import EngineConfig
+
+    cfg, cpu_dev = EngineConfig(), torch.device("cpu")
+    assert cfg.resolve_attention_backend(cpu_dev, torch.float32) == "cpu"
+    assert cfg.resolve_attention_backend(cpu_dev, torch.bfloat16) == "torch"
+    assert EngineConfig(attention_backend="torch").resolve_attention_backend(cpu_dev, torch.float32) == "torch"
+
+
+def test_cpu_backend_refuses_half_precision(tiny_model):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="float32 on a CPU"):
+        LLM(str(tiny_model("llama-gqa-tied")), attention_backend="cpu", dtype="bfloat16")
