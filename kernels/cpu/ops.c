@@ -49,7 +49,7 @@ int hp_panel_width(void) { return NR; }
 
 void hp_pack_weight(const float *w, float *packed, int N, int K) {
     int panels = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < panels; p++)
         for (int k = 0; k < K; k++)
             for (int j = 0; j < NR; j++) {
@@ -104,7 +104,7 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     int block = (int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR;
     for (int m0 = 0; m0 < M; m0 += block) {
         int m1 = m0 + block < M ? m0 + block : M;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
         for (int p = 0; p < panels; p++) {
             int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
             for (int k0 = 0; k0 < K; k0 += KC) {
