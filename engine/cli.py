@@ -49,7 +49,7 @@ def parse_memory(text: str) -> int | float:
 
 _HELP = {
     "max_num_seqs": "most requests in the running batch",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default 512 on CPU",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default 256 on CPU",
     "max_model_len": "longest prompt + output (default: the model's)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",

@@ -1,4 +1,7 @@
-"""Matrix multiplication routed to the fastest BLAS this process has.
+"""Linear layers: packed C kernels on an fp32 CPU, otherwise the fastest BLAS this process has.
+
+The default on an fp32 CPU is ``kernels/cpu`` (``Linear.pack_for_cpu_kernels``). Without a C compiler, or with
+``--attention-backend torch``, products go through ``linear`` below.
 
 NOTE (measured on the 2-core AMD EPYC development machines, fp32): numpy's OpenBLAS (Haswell kernels) beats the
 MKL inside torch at every shape the engine produces: ~22 GB/s vs ~12 GB/s streaming weights for one decode row,
@@ -21,18 +24,22 @@ from torch import nn
 from kernels import cpu as cpu_kernels
 
 USE_OPENBLAS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-if not USE_OPENBLAS and not torch.cuda.is_available():
-    logging.getLogger(__name__).warning(
-        "torch was imported before engine without OMP_WAIT_POLICY=PASSIVE: CPU matmuls stay on torch's MKL, which "
-        "is slower on this kind of CPU; import engine first or export OMP_WAIT_POLICY=PASSIVE"
-    )
+_warned = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, in], weight [out, in]."""
-    if USE_OPENBLAS and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+    cpu_fp32 = x.dtype == torch.float32 and x.device.type == "cpu"
+    if USE_OPENBLAS and cpu_fp32 and x.dim() == 2:
         out = torch.from_numpy(np.matmul(x.detach().numpy(), weight.detach().numpy().T))
         return out if bias is None else out + bias
+    global _warned
+    if cpu_fp32 and not _warned:
+        _warned = True
+        logging.getLogger(__name__).warning(
+            "torch was imported before engine without OMP_WAIT_POLICY=PASSIVE: torch-path matmuls stay on torch's "
+            "MKL, which is slower on this kind of CPU; import engine first or export OMP_WAIT_POLICY=PASSIVE"
+        )
     return F.linear(x, weight, bias)
 
 
