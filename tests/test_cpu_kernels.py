@@ -37,7 +37,7 @@ def test_linear_matches_float64(m, k, n):
     "heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 32), (8, 2, 64, 4), (4, 1, 32, 16)]
 )
 def test_paged_decode_attention(heads, kv_heads, head_dim, block_size):
-    seq_lens = [1, 5, 16, 17, 100, 333]
+    seq_lens = [1, 5, 16, 17, 100, 333, 1000]
     k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, seed=heads)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
     lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -164,6 +164,8 @@ def paged_decode_attention(
         raise ValueError("caches and seq_lens must be contiguous")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+    if head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
     _library().hp_paged_decode_attention(
         q.data_ptr(),
         q.stride(0),

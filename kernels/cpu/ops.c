@@ -138,65 +138,120 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     }
 }
 
+/* One (sequence, KV head, chunk) of decode attention: scores of the group's query heads against len cached
+ * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V with
+ * the accumulator in registers. Inlined with a constant head_dim (64, 128), so every loop over it unrolls. */
+static inline __attribute__((always_inline)) void attend_chunk_d(
+    const int D, int group, const float *qh, const float *k_base, const float *v_base, int64_t row,
+    const int32_t *table, int block_size, int len, float scale, float *scores, int split, float *mine) {
+    for (int p0 = 0; p0 < len; p0 += block_size) {
+        const float *k = k_base + (int64_t)table[p0 / block_size] * block_size * row;
+        int end = p0 + block_size < len ? p0 + block_size : len;
+        for (int p = p0; p < end; p++, k += row)
+            for (int g = 0; g < group; g++) scores[g * split + p] = dot(qh + g * D, k, D) * scale;
+    }
+    for (int g = 0; g < group; g++) {
+        float *sg = scores + g * split, mx = -INFINITY, sum = 0.0f;
+        for (int p = 0; p < len; p++) mx = sg[p] > mx ? sg[p] : mx;
+        for (int p = 0; p < len; p++) {
+            sg[p] = expf(sg[p] - mx);
+            sum += sg[p];
+        }
+        float *stats = mine + g * (D + 2);
+        stats[0] = mx;
+        stats[1] = sum;
+        v8f acc[D / 8];
+        for (int j = 0; j < D / 8; j++) acc[j] = (v8f){0};
+        for (int p0 = 0; p0 < len; p0 += block_size) {
+            const float *v = v_base + (int64_t)table[p0 / block_size] * block_size * row;
+            int end = p0 + block_size < len ? p0 + block_size : len;
+            for (int p = p0; p < end; p++, v += row) {
+                float w = sg[p];
+                v8f wv = {w, w, w, w, w, w, w, w};
+                for (int j = 0; j < D / 8; j++) acc[j] += wv * load8(v + 8 * j);
+            }
+        }
+        for (int j = 0; j < D / 8; j++) memcpy(stats + 2 + 8 * j, &acc[j], sizeof(v8f));
+    }
+}
+
+static void attend_chunk(int head_dim, int group, const float *qh, const float *k_base, const float *v_base,
+                         int64_t row, const int32_t *table, int block_size, int len, float scale, float *scores,
+                         int split, float *mine) {
+    if (head_dim == 64)
+        attend_chunk_d(64, group, qh, k_base, v_base, row, table, block_size, len, scale, scores, split, mine);
+    else if (head_dim == 128)
+        attend_chunk_d(128, group, qh, k_base, v_base, row, table, block_size, len, scale, scores, split, mine);
+    else if (head_dim % 8 == 0)
+        attend_chunk_d(head_dim, group, qh, k_base, v_base, row, table, block_size, len, scale, scores, split, mine);
+}
+
 /* Attention of one query token per sequence over its paged context, for a whole batch of decodes.
  *   q:      [num_seqs, num_heads, head_dim] (token stride q_stride)
  *   cache:  [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
  *   tables: [num_seqs, table_stride] int32 block ids; seq_lens: [num_seqs] int32 context lengths
  *   out:    [num_seqs, num_heads, head_dim] (token stride out_stride)
- * One task per (sequence, KV head) handles the query heads of its GQA group together, so each K/V row is read once.
- * Softmax is exact (scores kept, max subtracted), not online: contexts fit in a per-thread scratch row. */
+ * A task is one (sequence, KV head, chunk of up to SPLIT positions) and handles the query heads of its GQA group
+ * together, so each K/V row is read once. Long contexts split into chunks keep both cores busy even for one
+ * sequence; each chunk keeps its max and sum, and a second pass merges the chunks (split-KV, as the Triton
+ * kernel does). Within a chunk the softmax is exact: scores kept, max subtracted. */
+#define SPLIT 256
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                                int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                int block_size, float scale) {
     int group = num_heads / num_kv_heads;
-    int max_len = 1;
-    for (int s = 0; s < num_seqs; s++)
-        if (seq_lens[s] > max_len) max_len = seq_lens[s];
-    int64_t row = (int64_t)num_kv_heads * head_dim;  // floats per cache slot
+    int split = SPLIT > block_size ? SPLIT : block_size; /* a multiple of block_size: both are powers of two */
+    int64_t row = (int64_t)num_kv_heads * head_dim;       /* floats per cache slot */
+    /* first chunk of each sequence, so task t finds its (sequence, chunk) */
+    int *chunk0 = malloc(sizeof(int) * (num_seqs + 1));
+    chunk0[0] = 0;
+    for (int s = 0; s < num_seqs; s++) chunk0[s + 1] = chunk0[s] + (seq_lens[s] + split - 1) / split;
+    int num_chunks = chunk0[num_seqs];
+    /* per (chunk, KV head): group x (max, sum, acc[head_dim]) */
+    int64_t part = (int64_t)group * (head_dim + 2);
+    float *partial = malloc(sizeof(float) * (size_t)num_chunks * num_kv_heads * part);
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * ((size_t)group * max_len + (size_t)group * head_dim));
-        float *acc = scores + (size_t)group * max_len;
+        float *scores = malloc(sizeof(float) * (size_t)group * split);
+        int s = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < num_seqs * num_kv_heads; t++) {
-            int s = t / num_kv_heads, h = t % num_kv_heads, len = seq_lens[s];
-            const int32_t *table = tables + (int64_t)s * table_stride;
+        for (int t = 0; t < num_chunks * num_kv_heads; t++) {
+            int c = t / num_kv_heads, h = t % num_kv_heads;
+            while (chunk0[s + 1] <= c) s++;
+            while (chunk0[s] > c) s--;
+            int first = (c - chunk0[s]) * split, len = seq_lens[s] - first < split ? seq_lens[s] - first : split;
+            const int32_t *table = tables + (int64_t)s * table_stride + first / block_size;
             const float *qh = q + (int64_t)s * q_stride + (int64_t)h * group * head_dim;
-            for (int pos0 = 0; pos0 < len; pos0 += block_size) {
-                const float *k = k_cache + (int64_t)table[pos0 / block_size] * block_size * row + (int64_t)h * head_dim;
-                int end = pos0 + block_size < len ? pos0 + block_size : len;
-                for (int pos = pos0; pos < end; pos++, k += row)
-                    for (int g = 0; g < group; g++)
-                        scores[(int64_t)g * len + pos] = dot(qh + g * head_dim, k, head_dim) * scale;
-            }
-            for (int g = 0; g < group; g++) {
-                float *sg = scores + (int64_t)g * len, mx = -INFINITY, sum = 0.0f;
-                for (int pos = 0; pos < len; pos++) mx = sg[pos] > mx ? sg[pos] : mx;
-                for (int pos = 0; pos < len; pos++) {
-                    sg[pos] = expf(sg[pos] - mx);
-                    sum += sg[pos];
-                }
-                float inv = 1.0f / sum;
-                for (int pos = 0; pos < len; pos++) sg[pos] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * group * head_dim);
-            for (int pos0 = 0; pos0 < len; pos0 += block_size) {
-                const float *v = v_cache + (int64_t)table[pos0 / block_size] * block_size * row + (int64_t)h * head_dim;
-                int end = pos0 + block_size < len ? pos0 + block_size : len;
-                for (int pos = pos0; pos < end; pos++, v += row)
-                    for (int g = 0; g < group; g++) {
-                        float p = scores[(int64_t)g * len + pos];
-                        float *ag = acc + g * head_dim;
-                        for (int d = 0; d < head_dim; d++) ag[d] += p * v[d];
-                    }
-            }
-            for (int g = 0; g < group; g++)
-                memcpy(out + (int64_t)s * out_stride + (int64_t)(h * group + g) * head_dim, acc + g * head_dim,
-                       sizeof(float) * head_dim);
+            attend_chunk(head_dim, group, qh, k_cache + (int64_t)h * head_dim, v_cache + (int64_t)h * head_dim, row,
+                         table, block_size, len, scale, scores, split, partial + (int64_t)t * part);
         }
         free(scores);
+        /* merge: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c */
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_seqs * num_kv_heads; t++) {
+            int seq = t / num_kv_heads, h = t % num_kv_heads;
+            for (int g = 0; g < group; g++) {
+                float mx = -INFINITY, sum = 0.0f;
+                for (int c = chunk0[seq]; c < chunk0[seq + 1]; c++) {
+                    float m = partial[((int64_t)c * num_kv_heads + h) * part + g * (head_dim + 2)];
+                    mx = m > mx ? m : mx;
+                }
+                float *o = out + (int64_t)seq * out_stride + (int64_t)(h * group + g) * head_dim;
+                memset(o, 0, sizeof(float) * head_dim);
+                for (int c = chunk0[seq]; c < chunk0[seq + 1]; c++) {
+                    const float *stats = partial + ((int64_t)c * num_kv_heads + h) * part + g * (head_dim + 2);
+                    float w = expf(stats[0] - mx);
+                    sum += w * stats[1];
+                    for (int d = 0; d < head_dim; d++) o[d] += w * stats[2 + d];
+                }
+                float inv = 1.0f / sum;
+                for (int d = 0; d < head_dim; d++) o[d] *= inv;
+            }
+        }
     }
+    free(partial);
+    free(chunk0);
 }
 
 /* The small per-layer operations, each one pass over its rows. Work below ~16k elements stays on the calling
