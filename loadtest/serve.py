@@ -158,15 +158,36 @@ def print_summary(point: dict) -> None:
               f"within {s['goodput']['slo_ms']})")
 
 
+def _name(point: dict) -> str:
+    return point.get("label") or point["base_url"]
+
+
 def markdown_table(points: list[dict], axis: str) -> str:
     lines = [f"| server | {axis} | req/s | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | "
              "TPOT p99 (ms) | ITL p99 (ms) | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         s = p["summary"]
         x = p["max_concurrency"] if axis == "concurrency" else p["request_rate"]
-        lines.append(f"| {p['base_url']} | {x} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+        lines.append(f"| {_name(p)} | {x} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
                      f"{s['ttft_ms']['median']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['median']:.1f} | "
                      f"{s['tpot_ms']['p99']:.1f} | {s['itl_ms']['p99']:.0f} | {s['failed']} |")
+    return "\n".join(lines)
+
+
+def ratio_table(points: list[dict], axis: str) -> str:
+    """Each other server against the first, point by point: throughput ratio and TTFT/ITL ratios (< 1 is better)."""
+    key = "max_concurrency" if axis == "concurrency" else "request_rate"
+    names = list(dict.fromkeys(_name(p) for p in points))
+    by = {(_name(p), p[key]): p["summary"] for p in points}
+    lines = [f"| {axis} | server | vs | out tok/s ratio | TTFT p50 ratio | ITL p99 ratio |",
+             "|---|---|---|---|---|---|"]
+    for x in dict.fromkeys(p[key] for p in points):
+        for name in names[1:]:
+            a, b = by.get((names[0], x)), by.get((name, x))
+            if a and b:
+                lines.append(f"| {x} | {names[0]} | {name} | {a['output_throughput'] / b['output_throughput']:.2f} | "
+                             f"{a['ttft_ms']['median'] / b['ttft_ms']['median']:.2f} | "
+                             f"{a['itl_ms']['p99'] / b['itl_ms']['p99']:.2f} |")
     return "\n".join(lines)
 
 
@@ -178,7 +199,7 @@ def plot(points: list[dict], axis: str, out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     key = "max_concurrency" if axis == "concurrency" else "request_rate"
-    servers = list(dict.fromkeys(p["base_url"] for p in points))
+    servers = list(dict.fromkeys(_name(p) for p in points))
     charts = {
         "throughput.png": ("output tokens/s", [("output_throughput", None, "")]),
         "ttft.png": ("TTFT (ms)", [("ttft_ms", "median", " p50"), ("ttft_ms", "p99", " p99")]),
@@ -188,7 +209,7 @@ def plot(points: list[dict], axis: str, out_dir: Path) -> list[Path]:
     for filename, (ylabel, series) in charts.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         for server in servers:
-            mine = [p for p in points if p["base_url"] == server]
+            mine = [p for p in points if _name(p) == server]
             xs = [p[key] for p in mine]
             for metric, stat, suffix in series:
                 ys = [p["summary"][metric] if stat is None else p["summary"][metric][stat] for p in mine]
@@ -231,14 +252,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-concurrency", default=None, help="e.g. 1,4,16,64: one run per point")
     p.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4: one run per request rate")
     p.add_argument("--compare", nargs="*", default=[], help="more base URLs to run the same benchmark against")
+    p.add_argument("--label", nargs="*", default=[], help="names for --base-url and the --compare URLs, in order")
+    p.add_argument("--merge", nargs="*", default=None, metavar="JSON",
+                   help="run nothing: combine files written by --save (one engine at a time) into one table, "
+                        "ratios against the first, and plots")
     p.add_argument("--save", default=None, help="write the full results as JSON here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots of a sweep here")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
+def merge(files: list[str], plot_dir: str | None) -> dict:
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    axis = runs[0]["axis"]
+    if not axis or any(r["axis"] != axis for r in runs):
+        raise SystemExit("--merge needs sweeps over the same axis")
+    points = [p for r in runs for p in r["points"]]
+    table, ratios = markdown_table(points, axis), ratio_table(points, axis)
+    print(table + "\n\n" + ratios)
+    merged = {"axis": axis, "points": points, "table": table, "ratios": ratios, "sources": files}
+    if plot_dir:
+        merged["plots"] = [str(p) for p in plot(points, axis, Path(plot_dir))]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.merge is not None:
+        return merge(args.merge, args.plot_dir)
     goodput = parse_goodput(args.goodput)
     fields = {f for f in BenchConfig.__dataclass_fields__}
     base = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -250,7 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         axis, values = None, [None]
     points = []
-    for url in [args.base_url, *args.compare]:
+    urls = [args.base_url, *args.compare]
+    labels = dict(zip(urls, args.label, strict=False))
+    for url in urls:
         for value in values:
             cfg = replace(base, base_url=url)
             if axis == "concurrency":
@@ -258,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
             elif axis == "rate":
                 cfg = replace(cfg, request_rate=value)
             point = benchmark_point(cfg, tokenizer, goodput, progress=not args.no_progress)
+            if url in labels:
+                point["label"] = labels[url]
             print_summary(point)
             points.append(point)
     results = {"config": {k: (str(v) if isinstance(v, float) and np.isinf(v) else v) for k, v in asdict(base).items()},
@@ -267,6 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
         table = markdown_table(points, axis)
         results["table"] = table
         print("\n" + table)
+        if len(urls) > 1:
+            results["ratios"] = ratio_table(points, axis)
+            print("\n" + results["ratios"])
         if args.plot_dir:
             results["plots"] = [str(p) for p in plot(points, axis, Path(args.plot_dir))]
     if args.save:

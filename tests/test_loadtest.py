@@ -74,3 +74,16 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     assert "| concurrency |" in results["table"].splitlines()[0]
     for plot in results["plots"]:
         assert (tmp_path / "plots" / plot.rsplit("/", 1)[1]).stat().st_size > 5000
+
+    # --merge: a second engine's run (here the same points, relabelled, at half the throughput) joins the table.
+    other = json.loads(save.read_text())
+    for point in other["points"]:
+        point["label"] = "other"
+        point["summary"]["output_throughput"] /= 2
+    other_file = tmp_path / "other.json"
+    other_file.write_text(json.dumps(other))
+    merged = bench_main(["--merge", str(save), str(other_file), "--plot-dir", str(tmp_path / "merged")])
+    assert len(merged["points"]) == 4 and "| other | 2 |" in merged["table"]
+    ratio_rows = merged["ratios"].splitlines()[2:]
+    assert len(ratio_rows) == 2 and all("| other | 2.00 | 1.00 | 1.00 |" in row for row in ratio_rows)
+    assert len(merged["plots"]) == 3
