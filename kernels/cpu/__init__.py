@@ -110,7 +110,7 @@ def available() -> bool:
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
-    if t.dtype != dtype or t.device.type != "cpu":
+    if t.dtype != dtype or not t.is_cpu:
         raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
 
 
