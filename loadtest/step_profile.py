@@ -1,0 +1,113 @@
+"""Where one engine step's time goes, in-process: decode steps at a few batch sizes and one prefill step.
+
+Each batch of requests (random 128-token prompts, greedy, ``ignore_eos``) is prefilled first; then
+``--steps`` decode steps are timed as a whole and, per operation family, by timers wrapped around the C kernels
+(``--attention-backend cpu``) or by the torch profiler's per-operator self time (``torch``; the fp32 matmuls of
+that path run in numpy and show up in "other"). "other" is the rest of the step: Python, scheduling, input
+preparation and sampling.
+
+    python -m loadtest.step_profile                              # the default (cpu) path
+    python -m loadtest.step_profile --attention-backend torch    # the plain-torch path, for comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+# isort: off
+from engine import LLM, SamplingParams  # before torch: it sets the OpenMP policy torch reads when it loads
+import torch
+
+# isort: on
+from kernels import cpu as cpu_kernels
+
+_KERNELS = ("linear", "paged_decode_attention", "add_rms_norm", "rms_norm", "rotary_", "silu_mul", "store_kv")
+
+
+def _timed_kernels(totals: dict[str, float]) -> None:
+    """Wraps the C kernels the model calls with timers adding into ``totals`` (seconds)."""
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            totals[name] += time.perf_counter() - start
+            return result
+
+        return timed
+
+    for name in _KERNELS:
+        setattr(cpu_kernels, name, wrap(name, getattr(cpu_kernels, name)))
+
+
+def _measure(llm: LLM, steps: int, totals: dict[str, float], use_profiler: bool) -> float:
+    engine = llm.engine
+    totals.clear()
+    if use_profiler:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            elapsed = time.perf_counter() - start
+        for event in prof.key_averages():
+            totals[event.key] += event.self_cpu_time_total / 1e6
+    else:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+    return elapsed / steps
+
+
+def _row(label: str, step_s: float, totals: dict[str, float], steps: int, top: int) -> str:
+    parts = sorted(((k, v / steps * 1000) for k, v in totals.items()), key=lambda kv: -kv[1])[:top]
+    other = step_s * 1000 - sum(v for _, v in parts)
+    cells = ", ".join(f"{k} {v:.1f}" for k, v in parts)
+    return f"| {label} | {step_s * 1000:.1f} | {cells}, other {other:.1f} |"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.step_profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=7, help="operation families listed per row")
+    args = parser.parse_args(argv)
+
+    llm = LLM(args.model, attention_backend=args.attention_backend)
+    engine = llm.engine
+    use_profiler = engine.attention_backend != "cpu"
+    totals: dict[str, float] = defaultdict(float)
+    if not use_profiler:
+        _timed_kernels(totals)
+    print(f"backend {engine.attention_backend}; ms per step; families: ms per step\n")
+    print("| step | ms | where it goes (ms) |\n|---|---|---|")
+    greedy = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    for n, batch in enumerate(int(b) for b in args.batches.split(",")):
+        for i in range(batch):
+            ids = [1000 + (n * 7919 + i * 104729 + j * 31) % 40000 for j in range(args.prompt_len)]
+            engine.add_request(f"b{batch}-{i}", ids, greedy)
+        running = engine.scheduler.running
+        while engine.scheduler.waiting or any(r.num_computed_tokens < args.prompt_len for r in running):
+            engine.step()
+        engine.step()  # warm
+        step_s = _measure(llm, args.steps, totals, use_profiler)
+        print(_row(f"decode, batch {batch}", step_s, totals, args.steps, args.top))
+        while engine.has_unfinished_requests():
+            engine.step()
+    ids = [2000 + j for j in range(args.prompt_len)]
+    engine.add_request("prefill", ids, SamplingParams(temperature=0, max_tokens=1))
+    step_s = _measure(llm, 1, totals, use_profiler)
+    print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+if __name__ == "__main__":
+    main()
