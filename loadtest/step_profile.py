@@ -44,21 +44,20 @@ def _timed_kernels(totals: dict[str, float]) -> None:
 
 
 def _measure(llm: LLM, steps: int, totals: dict[str, float], use_profiler: bool) -> float:
+    """Mean seconds per step over ``steps`` steps; ``totals`` gets the per-family seconds over as many steps (for
+    the torch path from a second, profiled pass, so the profiler's own overhead stays out of the step time)."""
     engine = llm.engine
     totals.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
     if use_profiler:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            elapsed = time.perf_counter() - start
         for event in prof.key_averages():
             totals[event.key] += event.self_cpu_time_total / 1e6
-    else:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = time.perf_counter() - start
     return elapsed / steps
 
 
@@ -88,22 +87,33 @@ def main(argv: list[str] | None = None) -> None:
         _timed_kernels(totals)
     print(f"backend {engine.attention_backend}; ms per step; families: ms per step\n")
     print("| step | ms | where it goes (ms) |\n|---|---|---|")
-    greedy = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    # Long enough to outlast the prefill of the whole batch; aborted once measured.
+    greedy = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
+    vocab = engine.vocab_size
     for n, batch in enumerate(int(b) for b in args.batches.split(",")):
         for i in range(batch):
-            ids = [1000 + (n * 7919 + i * 104729 + j * 31) % 40000 for j in range(args.prompt_len)]
+            ids = [(1000 + n * 7919 + i * 104729 + j * 31) % vocab for j in range(args.prompt_len)]
             engine.add_request(f"b{batch}-{i}", ids, greedy)
         running = engine.scheduler.running
         while engine.scheduler.waiting or any(r.num_computed_tokens < args.prompt_len for r in running):
             engine.step()
         engine.step()  # warm
+        assert engine.scheduler.num_running == batch, "the batch must still be whole while it is measured"
         step_s = _measure(llm, args.steps, totals, use_profiler)
         print(_row(f"decode, batch {batch}", step_s, totals, args.steps, args.top))
-        while engine.has_unfinished_requests():
+        engine.abort_requests([f"b{batch}-{i}" for i in range(batch)])
+    one = SamplingParams(temperature=0, max_tokens=1)
+    engine.add_request("prefill-0", [(2000 + j) % vocab for j in range(args.prompt_len)], one)
+    totals.clear()
+    start = time.perf_counter()
+    engine.step()
+    step_s = time.perf_counter() - start
+    if use_profiler:  # the profiled pass gets its own prompt, as the timed step used the first
+        engine.add_request("prefill-1", [(3000 + 7 * j) % vocab for j in range(args.prompt_len)], one)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.step()
-    ids = [2000 + j for j in range(args.prompt_len)]
-    engine.add_request("prefill", ids, SamplingParams(temperature=0, max_tokens=1))
-    step_s = _measure(llm, 1, totals, use_profiler)
+        for event in prof.key_averages():
+            totals[event.key] += event.self_cpu_time_total / 1e6
     print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top))
     while engine.has_unfinished_requests():
         engine.step()

@@ -87,3 +87,16 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     ratio_rows = merged["ratios"].splitlines()[2:]
     assert len(ratio_rows) == 2 and all("| other | 2.00 | 1.00 | 1.00 |" in row for row in ratio_rows)
     assert len(merged["plots"]) == 3
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
+    from loadtest.step_profile import main as profile_main
+
+    profile_main(["--model", str(tiny_model("llama-gqa-tied")), "--attention-backend", backend, "--batches", "1,3",
+                  "--steps", "2", "--prompt-len", "9"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode") or
+            line.startswith("| prefill")]
+    assert [r.split("|")[1].strip() for r in rows] == ["decode, batch 1", "decode, batch 3", "prefill, 9 tokens"]
+    family = "linear" if backend == "cpu" else "aten::"
+    assert all(family in r and "other" in r for r in rows)
