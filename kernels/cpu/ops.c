@@ -138,6 +138,22 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     }
 }
 
+typedef int v8i __attribute__((vector_size(32)));
+
+/* Lane i of the result is the sum of the lanes of a[i]: eight horizontal sums in three shuffle-and-add levels. */
+static inline v8f sum_lanes8(const v8f a[8]) {
+    const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8f t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    /* t[i] = [a2i 0+1, 2+3, a2i+1 0+1, 2+3 | a2i 4+5, 6+7, a2i+1 4+5, 6+7] */
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], even) + __builtin_shuffle(t[2 * i], t[2 * i + 1], odd);
+    /* u[0] = [low halves of a0..a3 | high halves of a0..a3], u[1] the same for a4..a7 */
+    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+    return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
+}
+
 /* One (sequence, KV head, chunk) of decode attention: scores of the group's query heads against len cached
  * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V with
  * the accumulator in registers. Inlined with a constant head_dim (64, 128), so every loop over it unrolls. */
@@ -146,8 +162,19 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     const int32_t *table, int block_size, int len, float scale, float *scores, int split, float *mine) {
     for (int p0 = 0; p0 < len; p0 += block_size) {
         const float *k = k_base + (int64_t)table[p0 / block_size] * block_size * row;
-        int end = p0 + block_size < len ? p0 + block_size : len;
-        for (int p = p0; p < end; p++, k += row)
+        int end = p0 + block_size < len ? p0 + block_size : len, p = p0;
+        for (; p + 8 <= end; p += 8, k += 8 * row) /* eight positions per vector of scores */
+            for (int g = 0; g < group; g++) {
+                v8f acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = (v8f){0};
+                for (int j = 0; j < D; j += 8) {
+                    v8f qv = load8(qh + g * D + j);
+                    for (int i = 0; i < 8; i++) acc[i] += qv * load8(k + i * row + j);
+                }
+                v8f sc = sum_lanes8(acc) * scale;
+                memcpy(scores + g * split + p, &sc, sizeof(v8f));
+            }
+        for (; p < end; p++, k += row)
             for (int g = 0; g < group; g++) scores[g * split + p] = dot(qh + g * D, k, D) * scale;
     }
     for (int g = 0; g < group; g++) {
