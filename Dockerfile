@@ -7,7 +7,8 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/cache/huggingface \
     HARPOON_CACHE=/cache/harpoon
 
-# gcc: Triton compiles its kernel launchers with the host C compiler at first use; curl: the health check.
+# gcc: Triton compiles its kernel launchers, and the CPU profile builds kernels/cpu, with the host C compiler at first
+# use; curl: the health check.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc=4:12.2.* libc6-dev=2.36-* curl=7.88.* \
     && rm -rf /var/lib/apt/lists/*

@@ -42,7 +42,8 @@ class AttentionMetadata:
 class TorchAttention:
     """Paged attention in plain torch: writes the new K/V into the pool, then gathers each request's blocks.
 
-    The default on CPU, and the reference the Triton backend is checked against end to end.
+    The reference the other backends are checked against end to end, and the CPU fallback. Every backend runs the
+    same three stages (``forward``) and overrides the ones it does its own way.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -60,15 +61,28 @@ class TorchAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd])
-        self._prefills(q, k, v, k_cache, v_cache, meta, out)
+            self.decode(q[:nd], k_cache, v_cache, meta, out[:nd])
+        if nd < meta.num_reqs:
+            self.prefill(q, k, v, k_cache, v_cache, meta, out)
         return out
 
-    def _prefills(
+    def store(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        store_kv(k, v, k_cache, v_cache, slots)
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    ) -> None:
+        """The first ``num_decodes`` requests, one query token each, into ``out``."""
+        nd = q.shape[0]
+        out[:] = self._decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd])
+
+    def prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -78,6 +92,7 @@ class TorchAttention:
         meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
+        """The requests after the decodes (prefill or chunked-prefill queries), each into its rows of ``out``."""
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(meta.num_decodes, meta.num_reqs):
             start, end = qsl[i], qsl[i + 1]
@@ -163,24 +178,18 @@ class CpuAttention(TorchAttention):
     """fp32 on a CPU: the C kernels of ``kernels/cpu`` store K/V and attend the decodes straight from the pages
     (no per-layer gather); prefill chunks keep torch's flash attention, which is faster for long queries."""
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        nd = meta.num_decodes
-        if nd:
-            cpu_kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out[:nd]
-            )
-        self._prefills(q, k, v, k_cache, v_cache, meta, out)
-        return out
+    def store(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    ) -> None:
+        nd = q.shape[0]
+        cpu_kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out
+        )
 
 
 class TritonAttention(TorchAttention):
@@ -195,37 +204,31 @@ class TritonAttention(TorchAttention):
         from kernels.prefill_attention import prefill_attention
         from kernels.store_kv import store_kv as triton_store_kv
 
-        self._decode, self._prefill, self._store = decode_attention, prefill_attention, triton_store_kv
+        self._decode_kernel, self._prefill_kernel = decode_attention, prefill_attention
+        self.store = triton_store_kv
 
-    def forward(
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    ) -> None:
+        nd = q.shape[0]
+        self._decode_kernel(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out)
+
+    def prefill(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out: torch.Tensor,
+    ) -> None:
+        """All prefill chunks in one varlen launch, straight from the pages (k and v are already stored)."""
         nd = meta.num_decodes
-        if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd])
-        if nd < meta.num_reqs:
-            first = meta.query_start_loc_cpu[nd]
-            qsl = meta.query_start_loc[nd:] - first
-            self._prefill(
-                q[first:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                qsl,
-                meta.seq_lens[nd:],
-                meta.max_query_len,
-                self.scale,
-                out=out[first:],
-            )
-        return out
+        first = meta.query_start_loc_cpu[nd]
+        qsl = meta.query_start_loc[nd:] - first
+        self._prefill_kernel(q[first:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:],
+                             meta.max_query_len, self.scale, out=out[first:])
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
