@@ -76,7 +76,12 @@ class EngineCore:
         if self.attention_backend == "cpu":
             self.model.use_cpu_kernels()
         logger.info(
-            "loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype, self.device, time.monotonic() - started
+            "loaded %s (%s, %s, %s attention backend) in %.1f s",
+            self.model_name,
+            self.dtype,
+            self.device,
+            self.attention_backend,
+            time.monotonic() - started,
         )
 
         self.kv_cache = self._allocate_kv_cache()
