@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import compute_mode, online_softmax_step
+from kernels.online_softmax import compute_mode, load_kv_page, online_softmax_step
 
 MAX_SPLITS = 32
 
@@ -71,16 +71,11 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    row = NUM_KV_HEADS * HEAD_DIM  # elements between consecutive slots of the pool
     for b in range(first_block, last_block):
         block_id = tl.load(block_tables_ptr + req * stride_bt_req + b).to(tl.int64)
         mask_n = b * BLOCK_SIZE + offs_n < seq_len
-        offs_kv = block_id * BLOCK_SIZE * row + offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_page(k_cache_ptr, v_cache_ptr, block_id, offs_n, offs_d, mask_n, kv_head, BLOCK_SIZE,
+                            NUM_KV_HEADS, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_H, BLOCK_SIZE]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)

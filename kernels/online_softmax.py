@@ -1,4 +1,5 @@
-"""What both attention kernels share: the online-softmax step for each block of keys, and how they compute.
+"""What both attention kernels share: loading one page of K/V, the online-softmax step over it, and how they
+compute.
 
 State per query row: ``m_i`` the running max of the scores, ``l_i`` the running sum of exp(score - m_i), and
 ``acc`` the running sum of exp(score - m_i) * value; the attention output is acc / l_i once every block is seen.
@@ -18,6 +19,31 @@ def compute_mode(dtype: torch.dtype) -> tuple[bool, str]:
     half-precision math is wrong) and for fp32 inputs; fp32 dots then run in full IEEE precision, not TF32."""
     upcast = _INTERPRET or dtype == torch.float32
     return upcast, "ieee" if upcast else "tf32"
+
+
+@triton.jit
+def load_kv_page(  # noqa: ANN201  (a Triton device function)
+    k_cache_ptr,
+    v_cache_ptr,
+    block_id,  # int64 id of the page in the pool
+    offs_n,  # [BLOCK_SIZE] slot offsets inside the page
+    offs_d,  # [HEAD_DIM]
+    mask_n,  # [BLOCK_SIZE] which slots hold keys this program may read
+    kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """K and V of one KV head for the slots of one page, [BLOCK_SIZE, HEAD_DIM] each; 0 where ``mask_n`` is off."""
+    row = NUM_KV_HEADS * HEAD_DIM  # elements between consecutive slots of the pool
+    offs_kv = block_id * BLOCK_SIZE * row + offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]
+    k = tl.load(k_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit

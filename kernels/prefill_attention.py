@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import compute_mode, online_softmax_step
+from kernels.online_softmax import compute_mode, load_kv_page, online_softmax_step
 
 
 @triton.jit
@@ -68,18 +68,13 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    row = NUM_KV_HEADS * HEAD_DIM
     last_key = tl.minimum(seq_len, num_cached + (tile + 1) * BLOCK_M)  # no query of this tile sees past it
     for b in range(0, tl.cdiv(last_key, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + req * stride_bt_req + b).to(tl.int64)
         k_pos = b * BLOCK_SIZE + offs_n
         mask_n = k_pos < seq_len
-        offs_kv = block_id * BLOCK_SIZE * row + offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_page(k_cache_ptr, v_cache_ptr, block_id, offs_n, offs_d, mask_n, kv_head, BLOCK_SIZE,
+                            NUM_KV_HEADS, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
