@@ -116,3 +116,12 @@ def test_cpu_backend_refuses_half_precision(tiny_model):
 
     with pytest.raises(ValueError, match="float32 on a CPU"):
         LLM(str(tiny_model("llama-gqa-tied")), attention_backend="cpu", dtype="bfloat16")
+
+
+def test_layout_checks_name_the_tensor():
+    q = torch.randn(2, 4, 64).transpose(0, 1)  # heads not contiguous inside a token
+    with pytest.raises(ValueError, match="x: the heads of a token must be contiguous"):
+        cpu.rotary_(q, torch.zeros(4, dtype=torch.int64), torch.ones(1, 64), torch.zeros(1, 64))
+    k = torch.randn(3, 1, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="k: expected a CPU torch.float32"):
+        cpu.store_kv(k, k, torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64), torch.zeros(3, dtype=torch.int64))

@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -202,10 +202,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        if self.packed_lm_head is not None:
-            return cpu_kernels.linear(hidden, self.packed_lm_head, self.config.vocab_size)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_tied_head is not None:
+            return cpu_kernels.linear(hidden, self.packed_tied_head, self.config.vocab_size)
+        return linear(hidden, self.embed_tokens.weight).float()
 
     def use_cpu_kernels(self) -> None:
         """Switches an fp32 CPU model, once its weights are loaded, to the C kernels of ``kernels/cpu``: packed
@@ -218,9 +219,7 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = True
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:
-            self.packed_lm_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
-        else:
-            self.packed_lm_head = self.lm_head.packed
+            self.packed_tied_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""

@@ -114,6 +114,13 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
 
 
+def _check_tokens(t: torch.Tensor, name: str) -> None:
+    """``t`` [tokens, heads, head_dim], fp32 on the CPU, with the heads of a token contiguous (any token stride)."""
+    _check(t, torch.float32, name)
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        raise ValueError(f"{name}: the heads of a token must be contiguous, got strides {t.stride()}")
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [N, K] in the panel layout ``linear`` reads: [ceil(N / P), K, P], zero-padded."""
     _check(weight, torch.float32, "weight")
@@ -151,15 +158,13 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written in place
 ) -> None:
-    _check(q, torch.float32, "q")
+    _check_tokens(q, "q")
+    _check_tokens(out, "out")
     _check(k_cache, torch.float32, "k_cache")
     _check(block_tables, torch.int32, "block_tables")
     _check(seq_lens, torch.int32, "seq_lens")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    for t, name in ((q, "q"), (out, "out")):
-        if t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError(f"{name} must be contiguous within a token")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and seq_lens.is_contiguous()):
         raise ValueError("caches and seq_lens must be contiguous")
     if block_tables.stride(1) != 1:
@@ -214,9 +219,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary embedding in place on ``x`` [T, heads, head_dim] (heads contiguous, any token stride)."""
+    _check_tokens(x, "x")
     t, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim:
-        raise ValueError("rotary_ needs the heads of a token contiguous")
     _check(positions, torch.int64, "positions")
     _library().hp_rotary(
         x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim
@@ -236,10 +240,9 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Writes k, v [T, kv_heads, head_dim] (heads contiguous, any token stride) into their int64 cache slots."""
+    _check_tokens(k, "k")
+    _check_tokens(v, "v")
     t, heads, head_dim = k.shape
-    for x, name in ((k, "k"), (v, "v")):
-        if x.stride(2) != 1 or x.stride(1) != head_dim:
-            raise ValueError(f"store_kv needs the heads of a token of {name} contiguous")
     _check(slot_mapping, torch.int64, "slot_mapping")
     _library().hp_store_kv(
         k.data_ptr(),
