@@ -59,6 +59,26 @@ def test_decode_attention_reads_strided_queries():
     assert torch.allclose(out.double(), ref, atol=2e-5)
 
 
+def test_decode_attention_with_peaked_scores():
+    """Scores hundreds apart: most exponentials underflow to zero, the top few decide (the vector exp's range)."""
+    k_cache, v_cache, tables = make_cache([300, 9], 2, 64, 16, torch.float32, seed=7)
+    q = 40 * torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(8))
+    lens = torch.tensor([300, 9], dtype=torch.int32)
+    out = torch.empty_like(q)
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out)
+    ref = ref_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.125)
+    assert torch.allclose(out.double(), ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("width", [1536, 100])  # a multiple of the vector width, and one with a tail
+def test_silu_mul_is_accurate_over_the_whole_range(width):
+    g = torch.linspace(-120, 120, 64 * width).view(64, width)  # past exp's overflow on both sides
+    u = torch.randn(64, width, generator=torch.Generator().manual_seed(9))
+    out = cpu.silu_mul(torch.cat([g, u], dim=1)).double()
+    ref = g.double() * torch.sigmoid(g.double()) * u.double()
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-30)
+
+
 def test_norms_match_transformers_order():
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5)

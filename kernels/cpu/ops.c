@@ -35,6 +35,56 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Lanes of a where mask is set (all ones), of b elsewhere. */
+static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* e^x for eight lanes, within 2 ulp of expf over the whole range (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+ * a degree-6 polynomial for e^r, 2^n built in the exponent bits). Inputs past +-88.38 saturate to e^+-88.38; NaN
+ * stays NaN. NOTE: the scalar expf of glibc cost ~4 ns a call here, more than the rest of the decode attention's
+ * softmax and than the whole of SiLU's arithmetic. */
+static inline v8f exp8(v8f x) {
+    const v8f hi = splat8(88.3762626647949f), lo = splat8(-88.3762626647949f), magic = splat8(12582912.0f);
+    x = select8(x > hi, hi, x);
+    x = select8(x < lo, lo, x);
+    v8f t = x * splat8(1.44269504088896341f) + magic; /* round to nearest: n sits in the low mantissa bits */
+    v8f n = t - magic;
+    v8f r = x - n * splat8(0.693359375f) - n * splat8(-2.12194440e-4f);
+    v8f p = splat8(1.9875691500E-4f);
+    p = p * r + splat8(1.3981999507E-3f);
+    p = p * r + splat8(8.3334519073E-3f);
+    p = p * r + splat8(4.1665795894E-2f);
+    p = p * r + splat8(1.6666665459E-1f);
+    p = p * r + splat8(5.0000001201E-1f);
+    v8f y = p * r * r + r + splat8(1.0f);
+    v8i bits = ((v8i)t - (v8i)magic + 127) << 23; /* 2^n; n = -127 (x near -88.38) gives 0 */
+    return y * (v8f)bits;
+}
+
+/* x[i] = e^(x[i] - sub) for n floats, returning their sum: a softmax's numerators. */
+static float exp_sub_sum(float *x, int n, float sub) {
+    v8f acc = {0}, s = splat8(sub);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f e = exp8(load8(x + i) - s);
+        memcpy(x + i, &e, sizeof(v8f));
+        acc += e;
+    }
+    if (i < n) { /* the tail through the same function, so every position is computed alike */
+        v8f tail = s;
+        memcpy(&tail, x + i, sizeof(float) * (n - i));
+        v8f e = exp8(tail - s);
+        for (int j = 0; j < n - i; j++) {
+            x[i + j] = e[j];
+            acc[j] += e[j];
+        }
+    }
+    return hsum8(acc);
+}
+
 /* Weights of a linear layer, packed once at load time: w [N, K] becomes panels [ceil(N / NR), K, NR], so the
  * micro-kernel reads NR output columns of one k as contiguous vectors, and a whole panel streams sequentially. */
 #ifndef NV
@@ -138,8 +188,6 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     }
 }
 
-typedef int v8i __attribute__((vector_size(32)));
-
 /* Lane i of the result is the sum of the lanes of a[i]: eight horizontal sums in three shuffle-and-add levels. */
 static inline v8f sum_lanes8(const v8f a[8]) {
     const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
@@ -178,12 +226,9 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
             for (int g = 0; g < group; g++) scores[g * split + p] = dot(qh + g * D, k, D) * scale;
     }
     for (int g = 0; g < group; g++) {
-        float *sg = scores + g * split, mx = -INFINITY, sum = 0.0f;
+        float *sg = scores + g * split, mx = -INFINITY;
         for (int p = 0; p < len; p++) mx = sg[p] > mx ? sg[p] : mx;
-        for (int p = 0; p < len; p++) {
-            sg[p] = expf(sg[p] - mx);
-            sum += sg[p];
-        }
+        float sum = exp_sub_sum(sg, len, mx);
         float *stats = mine + g * (D + 2);
         stats[0] = mx;
         stats[1] = sum;
@@ -337,7 +382,12 @@ void hp_silu_mul(const float *gate_up, float *out, int M, int I) {
     for (int m = 0; m < M; m++) {
         const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
         float *o = out + (int64_t)m * I;
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            v8f gv = load8(g + i), y = gv / (splat8(1.0f) + exp8(-gv)) * load8(u + i);
+            memcpy(o + i, &y, sizeof(v8f));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
