@@ -145,3 +145,32 @@ def test_layout_checks_name_the_tensor():
     k = torch.randn(3, 1, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="k: expected a CPU torch.float32"):
         cpu.store_kv(k, k, torch.zeros(1, 4, 1, 64), torch.zeros(1, 4, 1, 64), torch.zeros(3, dtype=torch.int64))
+
+
+def test_decoder_refuses_what_does_not_fit_the_model():
+    from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
+
+    shape = DecoderShape(hidden=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate=24, eps=1e-6, scale=0.35)
+
+    def layer(**changes):
+        weights = dict(input_norm=torch.ones(16), post_norm=torch.ones(16), qkv=cpu.pack_weight(torch.randn(32, 16)),
+                       o=cpu.pack_weight(torch.randn(16, 16)), gate_up=cpu.pack_weight(torch.randn(48, 16)),
+                       down=cpu.pack_weight(torch.randn(16, 24)))
+        return LayerWeights(**{**weights, **changes})
+
+    rotary = torch.zeros(64, 8), torch.ones(64, 8)
+    with pytest.raises(ValueError, match=r"layers\[1\].down: packed .* does not hold a 24 -> 16 weight"):
+        Decoder(shape, [layer(), layer(down=torch.randn(16, 24))], torch.ones(16), *rotary)
+    with pytest.raises(ValueError, match=r"layers\[0\].qkv_bias: expected shape \(32,\)"):
+        Decoder(shape, [layer(qkv_bias=torch.zeros(16))], torch.ones(16), *rotary)
+    decoder = Decoder(shape, [layer()], torch.ones(16), *rotary)
+    cache = torch.zeros(4, 4, 1, 8)
+    batch = dict(positions=torch.zeros(2, dtype=torch.int64), slot_mapping=torch.tensor([0, 4]),
+                 block_tables=torch.tensor([[0], [1]], dtype=torch.int32), seq_lens=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_caches\[0\].v: shape \(4, 4, 2, 8\) does not match"):
+        decoder(torch.randn(2, 16), **batch, kv_caches=[(cache, torch.zeros(4, 4, 2, 8))])
+    with pytest.raises(ValueError, match="positions: expected a CPU torch.int64"):
+        decoder(torch.randn(2, 16), **{**batch, "positions": torch.zeros(2, dtype=torch.int32)},
+                kv_caches=[(cache, cache.clone())])
+    out = decoder(torch.randn(2, 16), **batch, kv_caches=[(cache, cache.clone())])
+    assert out.shape == (2, 16) and out.isfinite().all()

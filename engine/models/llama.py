@@ -18,6 +18,7 @@ from engine.attention import AttentionMetadata, make_attention
 from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
 from kernels import cpu as cpu_kernels
+from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
+        self.cpu_decoder: Decoder | None = None  # all layers in one C call, for steps that only decode
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -197,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x, residual = self.embed_tokens(input_ids), None
+        if self.cpu_decoder is not None and meta.num_decodes == meta.num_reqs:
+            return self.cpu_decoder(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
@@ -220,6 +224,25 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:
             self.packed_tied_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
+        self.cpu_decoder = self._cpu_decoder()
+
+    def _cpu_decoder(self) -> Decoder:
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        shape = DecoderShape(
+            hidden=self.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, intermediate=mlp.intermediate_size, eps=self.norm.eps, scale=attn.attn.scale,
+        )
+        layers = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                input_norm=_detached(layer.input_layernorm.weight), qkv=a.qkv_proj.packed, o=a.o_proj.packed,
+                post_norm=_detached(layer.post_attention_layernorm.weight), gate_up=m.gate_up_proj.packed,
+                down=m.down_proj.packed, qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
+                gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
+                q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
+            ))
+        return Decoder(shape, layers, _detached(self.norm.weight), self.rotary.cos_cache, self.rotary.sin_cache)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""
@@ -257,3 +280,7 @@ class LlamaForCausalLM(nn.Module):
         if target == "qkv_proj":
             return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
         return shard * self.layers[0].mlp.intermediate_size
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()

@@ -1,4 +1,5 @@
-"""fp32 CPU kernels in C (``ops.c``), compiled on first use with the host's C compiler and loaded with ctypes.
+"""fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step), compiled on first use
+with the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("ops.c")
+_SOURCES = (Path(__file__).with_name("ops.c"), Path(__file__).with_name("decoder.c"))
+_HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
 _FLAGS = ["-O3", "-march=native", *(["-mtune=haswell"] if platform.machine() == "x86_64" else []), "-fopenmp",
@@ -40,7 +42,8 @@ def _cpu_id() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (_SOURCE.read_text(), version, _cpu_id(), *_FLAGS)))
+    texts = [f.read_text() for f in (*_SOURCES, *_HEADERS)]
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, version, _cpu_id(), *_FLAGS)))
     cache_dir = Path(os.environ.get("HARPOON_CACHE", Path.home() / ".cache" / "harpoon")) / "cpu_kernels"
     target = cache_dir / f"ops-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -48,7 +51,8 @@ def _build(compiler: str) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = Path(tmp) / "ops.so"
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True)
+        sources = [str(f) for f in _SOURCES]
+        subprocess.run([compiler, *_FLAGS, *sources, "-o", str(built), "-lm"], check=True, capture_output=True)
         os.replace(built, target)  # atomic: concurrent builders both end with a whole file
     return target
 

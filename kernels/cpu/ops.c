@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops.h"
+
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
 static inline v8f load8(const float *p) { return *(const v8f *)p; }

@@ -1,0 +1,69 @@
+/* The whole decoder stack for a batch of decode tokens in one call from Python.
+ *
+ * Why: a decode step of a small model is ~11 kernel calls per layer. From Python each costs a module call, argument
+ * checks and an output allocation (~4-5 ms a step at batch 1 for SmolLM2's 30 layers, a tenth of the step), and
+ * the OpenMP threads fall asleep in the gaps. Here the same kernels run back to back, in the same order and with
+ * the same arithmetic as the per-module path (engine/models/llama.py), so both give bit-identical hidden states.
+ * Steps holding a prefill chunk keep the module path (their attention is torch's). */
+#include <stddef.h>
+
+#include "ops.h"
+
+/* One decoder layer's weights (linear weights packed by hp_pack_weight; absent biases and norms are NULL) and
+ * its K/V pools [num_blocks, block_size, num_kv_heads, head_dim]. Field order: LayerWeights in decoder.py. */
+struct hp_layer {
+    const float *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias, *q_norm, *k_norm;
+    float *k_cache, *v_cache;
+};
+
+struct hp_decoder {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_cache, *sin_cache, *final_norm; /* rotary tables [max_position, head_dim] */
+    const struct hp_layer *layers;
+};
+
+/* Floats of scratch per token that hp_decode_forward needs. */
+int64_t hp_decode_scratch(const struct hp_decoder *m) {
+    int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
+    return 2 * (int64_t)m->hidden + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate;
+}
+
+/* x [T, hidden]: the embeddings of the T decode tokens on entry, the residual stream after (clobbered).
+ * hidden_out [T, hidden]: the final norm's output. positions/slots [T] int64; tables [T, table_stride] int32;
+ * seq_lens [T] int32 (context including this token); scratch: T * hp_decode_scratch floats. */
+void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, int T, const int64_t *positions,
+                       const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                       float *scratch) {
+    const int H = m->hidden, D = m->head_dim, I = m->intermediate;
+    const int q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+    float *h = scratch, *qkv = h + (int64_t)T * H, *attn = qkv + (int64_t)T * qkv_size;
+    float *gate_up = attn + (int64_t)T * q_size, *act = gate_up + (int64_t)T * 2 * I, *out = act + (int64_t)T * I;
+    float *residual = x;
+    for (int l = 0; l < m->num_layers; l++) {
+        const struct hp_layer *L = &m->layers[l];
+        if (l == 0)
+            hp_rms_norm(x, H, L->input_norm, h, T, H, m->eps);
+        else /* the previous layer's MLP output joins the residual stream */
+            hp_add_rms_norm(out, residual, L->input_norm, h, T, H, m->eps);
+        hp_linear(h, H, L->qkv, L->qkv_bias, qkv, qkv_size, T, qkv_size, H);
+        if (L->q_norm) /* Qwen3: RMSNorm over each head of q and of k, in place */
+            for (int t = 0; t < T; t++) {
+                float *row = qkv + (int64_t)t * qkv_size;
+                hp_rms_norm(row, D, L->q_norm, row, m->num_heads, D, m->eps);
+                hp_rms_norm(row + q_size, D, L->k_norm, row + q_size, m->num_kv_heads, D, m->eps);
+            }
+        hp_rotary(qkv, qkv_size, positions, m->cos_cache, m->sin_cache, T, m->num_heads + m->num_kv_heads, D);
+        hp_store_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, L->k_cache, L->v_cache, slots, T,
+                    kv_size);
+        hp_paged_decode_attention(qkv, qkv_size, L->k_cache, L->v_cache, tables, table_stride, seq_lens, attn, q_size,
+                                  T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale);
+        hp_linear(attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);
+        hp_add_rms_norm(out, residual, L->post_norm, h, T, H, m->eps);
+        hp_linear(h, H, L->gate_up, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H);
+        hp_silu_mul(gate_up, act, T, I);
+        hp_linear(act, I, L->down, L->down_bias, out, H, T, H, I);
+    }
+    hp_add_rms_norm(out, residual, m->final_norm, hidden_out, T, H, m->eps);
+}

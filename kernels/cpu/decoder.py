@@ -1,0 +1,183 @@
+"""A Llama-family decoder stack run for a batch of decode tokens in one C call (``decoder.c``).
+
+The model builds a ``Decoder`` once its weights are packed. Steps in which every request decodes one token go
+through it; steps with a prefill chunk go through the model's modules. Both run the same kernels in the same order,
+so their hidden states are bit-identical (tested); this path only drops the per-kernel Python calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, fields
+
+import torch
+
+from kernels.cpu import _c_float, _c_i64, _c_int, _check, _library, _ptr
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors: RMSNorm weights, linear weights packed by ``pack_weight``, optional biases, and
+    Qwen3's per-head q/k norms."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+_PACKED = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float  # attention's softmax scale
+
+
+class _LayerStruct(ctypes.Structure):  # struct hp_layer
+    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights)] + [("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
+    _fields_ = [
+        *((name, _c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                      "intermediate", "block_size")),
+        ("eps", _c_float),
+        ("scale", _c_float),
+        ("cos_cache", _ptr),
+        ("sin_cache", _ptr),
+        ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(_LayerStruct)),
+    ]
+
+
+def _library_with_decoder() -> ctypes.CDLL:
+    lib = _library()
+    lib.hp_decode_scratch.argtypes = [ctypes.POINTER(_DecoderStruct)]
+    lib.hp_decode_scratch.restype = _c_i64
+    lib.hp_decode_forward.argtypes = [ctypes.POINTER(_DecoderStruct), _ptr, _ptr, _c_int, _ptr, _ptr, _ptr, _c_i64,
+                                      _ptr, _ptr]
+    lib.hp_decode_forward.restype = None
+    return lib
+
+
+class Decoder:
+    """Holds the layers' tensors and their C description; call it with a decode batch (see ``__call__``)."""
+
+    def __init__(
+        self,
+        shape: DecoderShape,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        cos_cache: torch.Tensor,  # [max_position, head_dim]
+        sin_cache: torch.Tensor,
+    ) -> None:
+        s = shape
+        if s.head_dim % 8 or s.num_heads % s.num_kv_heads:
+            raise ValueError(f"unsupported heads: {s.num_heads} x {s.head_dim} over {s.num_kv_heads} KV heads")
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self._lib = _library_with_decoder()
+        self.shape = shape
+        self._tensors = [final_norm, cos_cache, sin_cache]  # kept alive while C holds their pointers
+        for name, t in (("final_norm", final_norm), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+            _contiguous(t, name)
+        if cos_cache.shape != sin_cache.shape or cos_cache.shape[-1] != s.head_dim:
+            raise ValueError(f"rotary tables {tuple(cos_cache.shape)} do not match head_dim {s.head_dim}")
+        self._layers = (_LayerStruct * len(layers))()
+        for i, layer in enumerate(layers):
+            expected = {
+                "input_norm": (s.hidden,), "post_norm": (s.hidden,), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,),
+                "qkv": (s.hidden, q_size + 2 * kv_size), "o": (q_size, s.hidden),
+                "gate_up": (s.hidden, 2 * s.intermediate), "down": (s.intermediate, s.hidden),
+                "qkv_bias": (q_size + 2 * kv_size,), "o_bias": (s.hidden,), "gate_up_bias": (2 * s.intermediate,),
+                "down_bias": (s.hidden,),
+            }
+            for f in fields(LayerWeights):
+                t = getattr(layer, f.name)
+                if t is None:
+                    continue
+                name = f"layers[{i}].{f.name}"
+                _contiguous(t, name)
+                if f.name in _PACKED:  # [panels, in, panel width] for an (in -> out) weight
+                    k, n = expected[f.name]
+                    if t.dim() != 3 or t.shape[1] != k or t.shape[0] * t.shape[2] < n:
+                        raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
+                elif tuple(t.shape) != expected[f.name]:
+                    raise ValueError(f"{name}: expected shape {expected[f.name]}, got {tuple(t.shape)}")
+                setattr(self._layers[i], f.name, t.data_ptr())
+                self._tensors.append(t)
+        self._struct = _DecoderStruct(
+            num_layers=len(layers), hidden=s.hidden, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, intermediate=s.intermediate, block_size=0, eps=s.eps, scale=s.scale,
+            cos_cache=cos_cache.data_ptr(), sin_cache=sin_cache.data_ptr(), final_norm=final_norm.data_ptr(),
+            layers=self._layers,
+        )
+        self._scratch = self._lib.hp_decode_scratch(ctypes.byref(self._struct))
+        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Points the layers at their K/V pools [num_blocks, block_size, num_kv_heads, head_dim]."""
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self._layers)} layers")
+        s = self.shape
+        block_size = kv_caches[0][0].shape[1]
+        for i, (k, v) in enumerate(kv_caches):
+            for name, t in (("k", k), ("v", v)):
+                _contiguous(t, f"kv_caches[{i}].{name}")
+                if t.dim() != 4 or t.shape[1:] != (block_size, s.num_kv_heads, s.head_dim):
+                    raise ValueError(f"kv_caches[{i}].{name}: shape {tuple(t.shape)} does not match the model")
+            self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
+        self._struct.block_size = block_size
+        self._kv_caches = kv_caches
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, hidden] embeddings of the T tokens; clobbered (it carries the residual stream)
+        positions: torch.Tensor,  # [T] int64
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [T, max_num_blocks] int32, rows contiguous
+        seq_lens: torch.Tensor,  # [T] int32, context length including this token
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [T, hidden]: the final norm's output
+        if kv_caches is not self._kv_caches:
+            self._bind(kv_caches)
+        num_tokens = x.shape[0]
+        _contiguous(x, "x")
+        for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
+                               ("seq_lens", seq_lens, torch.int32)):
+            _check(t, dtype, name)
+            if t.shape != (num_tokens,) or not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous [{num_tokens}] tensor, got {tuple(t.shape)}")
+        _check(block_tables, torch.int32, "block_tables")
+        if block_tables.shape[0] != num_tokens or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables: expected {num_tokens} contiguous rows, got {tuple(block_tables.shape)}")
+        if x.shape[1] != self.shape.hidden:
+            raise ValueError(f"x: expected [T, {self.shape.hidden}], got {tuple(x.shape)}")
+        out = torch.empty(num_tokens, self.shape.hidden, dtype=torch.float32)
+        scratch = torch.empty(num_tokens * self._scratch, dtype=torch.float32)
+        self._lib.hp_decode_forward(
+            ctypes.byref(self._struct), x.data_ptr(), out.data_ptr(), num_tokens, positions.data_ptr(),
+            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            scratch.data_ptr(),
+        )
+        return out
+
+
+def _contiguous(t: torch.Tensor, name: str) -> None:
+    _check(t, torch.float32, name)
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")

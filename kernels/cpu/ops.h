@@ -1,0 +1,20 @@
+/* The kernels of ops.c that other C files (decoder.c) call; each is documented where it is defined. */
+#ifndef HARPOON_OPS_H
+#define HARPOON_OPS_H
+#include <stdint.h>
+
+void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
+               int N, int K);
+void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+                               int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                               int block_size, float scale);
+void hp_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int M, int D, float eps);
+void hp_add_rms_norm(const float *x, float *residual, const float *w, float *out, int M, int D, float eps);
+void hp_rotary(float *x, int64_t ldx, const int64_t *positions, const float *cos_cache, const float *sin_cache,
+               int T, int num_heads, int head_dim);
+void hp_silu_mul(const float *gate_up, float *out, int M, int I);
+void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, float *k_cache, float *v_cache,
+                 const int64_t *slots, int T, int row);
+
+#endif
