@@ -17,6 +17,7 @@
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
 static inline v8f load8(const float *p) { return *(const v8f *)p; }
+static inline void store8(float *p, v8f v) { *(v8f *)p = v; } /* unaligned, straight from the register */
 
 static inline float hsum8(v8f v) {
     float s = 0.0f;
@@ -66,13 +67,24 @@ static inline v8f exp8(v8f x) {
     return y * (v8f)bits;
 }
 
+/* The largest of n floats (n >= 1), eight lanes at a time. */
+static float max_of(const float *x, int n) {
+    v8f m = splat8(x[0]);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) m = select8(load8(x + i) > m, load8(x + i), m);
+    float mx = m[0];
+    for (int j = 1; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
+
 /* x[i] = e^(x[i] - sub) for n floats, returning their sum: a softmax's numerators. */
 static float exp_sub_sum(float *x, int n, float sub) {
     v8f acc = {0}, s = splat8(sub);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         v8f e = exp8(load8(x + i) - s);
-        memcpy(x + i, &e, sizeof(v8f));
+        store8(x + i, e);
         acc += e;
     }
     if (i < n) { /* the tail through the same function, so every position is computed alike */
@@ -231,15 +243,14 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
                         for (int i = 0; i < 8; i++) acc[i] += qv * load8(k + i * row + j);
                     }
                     v8f sc = sum_lanes8(acc) * scale;
-                    memcpy(sh + g * split + p, &sc, sizeof(v8f));
+                    store8(sh + g * split + p, sc);
                 }
             for (; p < end; p++, k += row)
                 for (int g = 0; g < group; g++) sh[g * split + p] = dot(qh + g * D, k, D) * scale;
         }
     }
     for (int hg = 0; hg < num_heads; hg++) {
-        float *sg = scores + (int64_t)hg * split, mx = -INFINITY, *stats = mine + hg * (D + 2);
-        for (int p = 0; p < len; p++) mx = sg[p] > mx ? sg[p] : mx;
+        float *sg = scores + (int64_t)hg * split, mx = max_of(sg, len), *stats = mine + hg * (D + 2);
         stats[0] = mx;
         stats[1] = exp_sub_sum(sg, len, mx);
         memset(stats + 2, 0, sizeof(float) * D);
@@ -256,7 +267,7 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
                 v8f wv = splat8(sg[p]);
                 for (int j = 0; j < D / 8; j++) acc[j] += wv * load8(v + 8 * j);
             }
-            for (int j = 0; j < D / 8; j++) memcpy(o + 8 * j, &acc[j], sizeof(v8f));
+            for (int j = 0; j < D / 8; j++) store8(o + 8 * j, acc[j]);
         }
     }
 }
@@ -398,7 +409,7 @@ void hp_silu_mul(const float *gate_up, float *out, int M, int I) {
         int i = 0;
         for (; i + 8 <= I; i += 8) {
             v8f gv = load8(g + i), y = gv / (splat8(1.0f) + exp8(-gv)) * load8(u + i);
-            memcpy(o + i, &y, sizeof(v8f));
+            store8(o + i, y);
         }
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
