@@ -4,7 +4,8 @@
     python -m loadtest.serve --sweep-concurrency 1,4,16,64 --save results/sweep.json --plot-dir results/
     python -m loadtest.serve --sweep-concurrency 1,16 --compare http://127.0.0.1:8100   # side by side
 
-Each sweep point runs max(--num-prompts, 2 x concurrency) requests. Metrics are defined in loadtest/metrics.py.
+Each sweep point runs max(--num-prompts, 2 x concurrency) requests, drawn with its own seed (--seed + its index,
+the same for every server). Metrics are defined in loadtest/metrics.py.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def benchmark_point(cfg: BenchConfig, tokenizer, goodput: dict | None, progress:
     result = asyncio.run(run(cfg, requests, progress))
     summary = summarize(result["records"], result["duration"], goodput)
     return {"base_url": cfg.base_url, "model": result["model"], "max_concurrency": cfg.max_concurrency,
-            "request_rate": cfg.request_rate, "num_prompts": cfg.num_prompts, "summary": summary,
+            "request_rate": cfg.request_rate, "num_prompts": cfg.num_prompts, "seed": cfg.seed, "summary": summary,
             "requests": records_as_dicts(result["records"])}
 
 
@@ -294,8 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
     urls = [args.base_url, *args.compare]
     labels = dict(zip(urls, args.label, strict=False))
     for url in urls:
-        for value in values:
-            cfg = replace(base, base_url=url)
+        for index, value in enumerate(values):
+            # Fresh prompts per point (the same for every server): an earlier point's prompts would otherwise be
+            # prefix-cache hits for a server that keeps them, and its TTFT would not measure prefill.
+            cfg = replace(base, base_url=url, seed=base.seed + index)
             if axis == "concurrency":
                 cfg = replace(cfg, max_concurrency=value, num_prompts=max(base.num_prompts, 2 * value))
             elif axis == "rate":

@@ -58,6 +58,7 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     assert results["config"]["input_len"] == 24 and results["config"]["request_rate"] == "inf"
     assert [p["max_concurrency"] for p in results["points"]] == [1, 2]
     assert [p["num_prompts"] for p in results["points"]] == [3, 4]
+    assert [p["seed"] for p in results["points"]] == [0, 1]  # fresh prompts per point: no cross-point cache hits
     for point in results["points"]:
         s = point["summary"]
         assert point["model"] == "SmolLM2-135M-Instruct"
