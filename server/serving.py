@@ -213,8 +213,10 @@ class OpenAIServing:
                     end = state.detokenizer.stable_text_end(state.finished)
                     text = state.text[sent_text[i] : end]
                     new_ids = state.token_ids[sent_tokens[i] :]
-                    if not text and not state.finished and not (num_logprobs is not None and new_ids) \
-                            and i not in first_chunk:
+                    # NOTE: a token whose text is held back (half a UTF-8 character, a possible stop string) still
+                    # gets its chunk, with empty text, as vLLM sends it: one chunk per token keeps a client's
+                    # inter-token timing honest instead of merging two tokens' gaps into one.
+                    if not text and not new_ids and not state.finished and i not in first_chunk:
                         continue
                     logprobs = None
                     if num_logprobs is not None and new_ids:
