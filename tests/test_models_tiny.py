@@ -32,31 +32,53 @@ def test_tiny_model_greedy_matches_transformers(kind, backend, tiny_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
-def test_cpu_decode_step_is_bit_identical_to_the_module_path(kind, tiny_model):
-    """Decode-only steps run every layer in one C call (``model.cpu_decoder``); with it switched off, the same
-    requests through the per-module path give the very same logprobs, bit for bit."""
-    folder = tiny_model(kind)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (2, 7, 30)]
-    params = SamplingParams(temperature=0, max_tokens=20, logprobs=4)
-    results, batch_sizes = [], []
+def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_args):
+    """(token ids, logprobs) per prompt with the C decoder on, then off, and the query lengths it was given."""
+    results, query_lens = [], []
     for use_decoder in (True, False):
-        llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
-                  attention_backend="cpu")
+        llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", **engine_args)
         model = llm.engine.model
         decoder = model.cpu_decoder
         assert decoder is not None
 
-        def counted(x, *args, decoder=decoder):
-            batch_sizes.append(x.shape[0])
-            return decoder(x, *args)
+        def counted(x, positions, *args, decoder=decoder):
+            query_lens.append(x.shape[0])
+            return decoder(x, positions, *args)
 
         model.cpu_decoder = counted if use_decoder else None
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
-    assert results[0] == results[1]
-    assert max(batch_sizes) == len(prompts), "decode steps of the whole batch went through the decoder"
+    return results, query_lens
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_cpu_decode_step_is_bit_identical_to_the_module_path(kind, tiny_model):
+    """Decode steps run every layer in one C call (``model.cpu_decoder``); with it switched off, the same requests
+    through the per-module path give the very same logprobs, bit for bit. The prompts (over 64 tokens) are
+    prefilled by the modules in both runs."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (65, 70, 100)]
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=4)
+    (fast, slow), query_lens = _generate_with_and_without_cpu_decoder(tiny_model(kind), prompts, params)
+    assert fast == slow
+    assert max(query_lens) == len(prompts), "decode steps of the whole batch went through the decoder"
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_cpu_decoder_prefill_chunks_match_the_module_path(kind, tiny_model):
+    """Short prefill chunks beside decodes also take the one C call (each prompt token a paged-attention query
+    over its prefix); tokens equal and logprobs agree with the modules' flash attention to rounding."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 21, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=4)
+    (fast, slow), query_lens = _generate_with_and_without_cpu_decoder(
+        tiny_model(kind), prompts, params, max_num_batched_tokens=16)
+    assert 16 in query_lens, "mixed steps (decodes + prefill chunks) went through the decoder"
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(fast, slow, strict=True):
+        assert ids == ref_ids
+        for position, ref in zip(logprobs, ref_logprobs, strict=True):
+            assert position.keys() == ref.keys()
+            assert all(abs(position[t].logprob - ref[t].logprob) < 1e-4 for t in ref)
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])

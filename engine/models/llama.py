@@ -163,6 +163,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+# NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
+# SDPA reuses each K/V row across a tile of queries). Up to 64-token chunks, as decode steps carry them, the one
+# call is faster than the modules plus SDPA; longer prefill chunks keep the modules.
+CPU_DECODER_MAX_QUERY_LEN = 64
+
 # HF checkpoint name -> (our fused parameter, which shard). Order of shards inside the fused weight follows the list.
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -188,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
-        self.cpu_decoder: Decoder | None = None  # all layers in one C call, for steps that only decode
+        self.cpu_decoder: Decoder | None = None  # all layers in one C call, for decodes and short prefill chunks
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -199,11 +204,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x, residual = self.embed_tokens(input_ids), None
-        if self.cpu_decoder is not None and meta.num_decodes == meta.num_reqs:
-            return self.cpu_decoder(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, kv_caches)
+        if self.cpu_decoder is not None and meta.max_query_len <= CPU_DECODER_MAX_QUERY_LEN:
+            return self._cpu_decoder_forward(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _cpu_decoder_forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every token as its own paged-attention query: a prompt token at position p attends positions 0..p of
+        its request (stored before any attention runs), which is causal attention over the chunk and its prefix."""
+        if meta.num_decodes == meta.num_reqs:
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            tables = meta.block_tables.repeat_interleave(query_lens, dim=0, output_size=x.shape[0])
+            seq_lens = (positions + 1).to(torch.int32)
+        return self.cpu_decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         if self.lm_head is not None:
