@@ -50,6 +50,8 @@ def parse_memory(text: str) -> int | float:
 _HELP = {
     "max_num_seqs": "most requests in the running batch",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default 256 on CPU",
+    "prefill_tokens_per_decode": "prompt tokens a step may carry per decode in it, at least a block (keeps running "
+    "streams' inter-token gaps short while prompts arrive); default: the whole step budget",
     "max_model_len": "longest prompt + output (default: the model's)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",
@@ -68,7 +70,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in ("model", "enable_prefix_caching"):
             continue
         flag = "--" + field.name.replace("_", "-")
-        kind = parse_memory if field.name == "kv_cache_memory" else (str if field.type == "str" else int)
+        kind = parse_memory if field.name == "kv_cache_memory" else (
+            str if field.type == "str" else float if field.type.startswith("float") else int)
         group.add_argument(flag, dest=field.name, type=kind, default=None, help=_HELP.get(field.name))
     group.add_argument(
         "--no-prefix-caching",

@@ -24,6 +24,8 @@ class EngineConfig:
     model: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Prompt tokens a step may carry per decode in it (None: the whole token budget); see Scheduler.prefill_budget.
+    prefill_tokens_per_decode: float | None = None
     max_model_len: int | None = None
     block_size: int = 16
     # Bytes (an int > 1) or a fraction of free device memory (a float in (0, 1]).
@@ -40,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_tokens_per_decode is not None and self.prefill_tokens_per_decode <= 0:
+            raise ValueError(f"prefill_tokens_per_decode must be > 0, got {self.prefill_tokens_per_decode}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -48,10 +48,17 @@ class Scheduler:
     prefill is computing the very block it would need next (n samples of one prompt compute it once).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_tokens_per_decode: float | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_tokens_per_decode = prefill_tokens_per_decode
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -112,10 +119,24 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
     # ---- the step --------------------------------------------------------------------------------------------
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens a step may compute beside ``num_decodes`` decodes.
+
+        With ``prefill_tokens_per_decode`` set, a step that decodes carries at most that many prompt tokens per
+        decode (at least one block's worth), so each prefill chunk lengthens the gap between two tokens of every
+        running stream by a bounded fraction, and prompts are folded into the decode steps in small pieces
+        (Sarathi-Serve's piggybacking); a step with nothing to decode takes the whole token budget.
+        """
+        if self.prefill_tokens_per_decode is None or num_decodes == 0:
+            return self.max_num_batched_tokens
+        return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * num_decodes))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        prefill_budget = self.prefill_budget(sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1))
+        chunked: set[str] = set()  # running requests given a prefill chunk this step
 
         # Decodes (one token left) first, then prefill chunks; arrival order within each group (sort is stable).
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -123,11 +144,17 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted by an older request earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            if num_new == 0:
+                continue  # a prefill chunk with no prompt budget left this step
             while self.block_manager.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]  # the newest
                 if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
+                    freed = num_scheduled.pop(victim.request_id)
+                    budget += freed
+                    if victim.request_id in chunked:
+                        prefill_budget += freed
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -135,16 +162,20 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
+                if remaining > 1:
+                    prefill_budget -= num_new
+                    chunked.add(request.request_id)
 
         pending = self._pending_block_hashes() if self.waiting and self.block_manager.enable_caching else set()
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(request)
             hashes = request.block_hashes
             if len(computed) < len(hashes) and hashes[len(computed)] in pending:
                 break  # a running prefill is computing this request's next block: wait a step and share it
             num_computed = len(computed) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens - num_computed, budget, prefill_budget)
             if self.block_manager.allocate_slots(request, num_new, computed) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
@@ -158,6 +189,7 @@ class Scheduler:
                 pending.update(self._blocks_being_prefilled(request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            prefill_budget -= num_new
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
         tables = {r.request_id: self.block_manager.get_block_ids(r.request_id) for r in scheduled}

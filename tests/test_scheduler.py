@@ -1,6 +1,9 @@
 """Scheduler unit tests: no model, the test plays the model runner by handing back sampled tokens."""
 
+import pytest
+
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -13,9 +16,10 @@ def make(request_id: str, num_prompt: int, max_tokens: int = 8, **params) -> Req
     return Request(request_id, list(range(10, 10 + num_prompt)), sp, frozenset({EOS}), max_tokens)
 
 
-def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64):
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
+                   prefill_tokens_per_decode: float | None = None):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, max_num_seqs, budget), bm
+    return Scheduler(bm, max_num_seqs, budget, prefill_tokens_per_decode), bm
 
 
 def run_step(sched: Scheduler, bm: BlockManager, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
@@ -176,3 +180,33 @@ def test_abort_mid_chunked_prefill_frees_blocks():
     sched.abort_request("r")
     assert bm.num_free_blocks == 8
     bm.check_integrity()
+
+
+def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
+    """A step that decodes carries at most ratio x decodes prompt tokens (never under one block); a step with
+    nothing to decode takes the whole budget."""
+    sched, bm = make_scheduler(num_blocks=64, budget=64, prefill_tokens_per_decode=1.5)
+    first = [make(f"d{i}", 2, max_tokens=30) for i in range(4)]
+    for r in first:
+        sched.add_request(r)
+    out, _ = run_step(sched, bm)
+    assert out.total_num_scheduled_tokens == 8  # nothing decoding yet: all four prompts in one step
+    late, longer = make("late", 40), make("longer", 40)
+    sched.add_request(late)
+    sched.add_request(longer)
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "late": 6}  # 1.5 x 4 decodes
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens["late"] == 6 and "longer" not in out.num_scheduled_tokens
+    for r in first[1:]:
+        sched.abort_request(r.request_id)
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"d0": 1, "late": 4}  # one decode: the floor of one block (4 tokens)
+    sched.abort_request("d0")
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"late": 24, "longer": 40}  # no decodes left: the whole budget
+
+
+def test_prefill_tokens_per_decode_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_tokens_per_decode must be > 0"):
+        EngineConfig(prefill_tokens_per_decode=0)
