@@ -88,8 +88,9 @@ class EngineConfig:
     def resolve_max_num_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        # NOTE: on the 2-core development CPU a step costs ~4 ms per token at any batch size for the 135M default
-        # model (compute-bound, ~70 GFLOP/s of matmul), so 256 tokens keeps every step, and so the gap between two
-        # tokens of a running stream, under ~1 s even with 64 streams decoding beside a prefill chunk; 512 let steps
-        # reach 2.5 s. Larger budgets only pay off where steps are cheap (GPUs).
+        # NOTE: on the 2-core development CPUs a step past ~16 tokens costs 1.5-4 ms per token for the 135M default
+        # model (compute-bound; instances measured 70-160 GFLOP/s of matmul), so 256 tokens keeps every step, and so
+        # the gap between two tokens of a running stream, under ~1 s even with 64 streams decoding beside a prefill
+        # chunk; 512 let steps reach 2.5 s on the slower instances. Larger budgets only pay off where steps are
+        # cheap (GPUs).
         return 256 if device.type == "cpu" else max(8192, min(max_model_len, 16384))
