@@ -139,8 +139,7 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
             if (i < rows) {
-                float xs = x[i * ldx + k];
-                v8f a = {xs, xs, xs, xs, xs, xs, xs, xs}; /* one vbroadcastss from memory */
+                v8f a = splat8(x[i * ldx + k]); /* one vbroadcastss from memory */
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
             }
