@@ -119,15 +119,18 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prompt tokens a step may compute beside ``num_decodes`` decodes.
+    def prefill_budget(self) -> int:
+        """Prompt tokens the coming step may compute beside the running requests' decodes.
 
         With ``prefill_tokens_per_decode`` set, a step that decodes carries at most that many prompt tokens per
         decode (at least one block's worth), so each prefill chunk lengthens the gap between two tokens of every
         running stream by a bounded fraction, and prompts are folded into the decode steps in small pieces
         (Sarathi-Serve's piggybacking); a step with nothing to decode takes the whole token budget.
         """
-        if self.prefill_tokens_per_decode is None or num_decodes == 0:
+        if self.prefill_tokens_per_decode is None:
+            return self.max_num_batched_tokens
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if num_decodes == 0:
             return self.max_num_batched_tokens
         return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * num_decodes))
 
@@ -135,7 +138,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
-        prefill_budget = self.prefill_budget(sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1))
+        prefill_budget = self.prefill_budget()
         chunked: set[str] = set()  # running requests given a prefill chunk this step
 
         # Decodes (one token left) first, then prefill chunks; arrival order within each group (sort is stable).
