@@ -45,7 +45,8 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.float)  # on the default device, the model's
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
