@@ -64,6 +64,10 @@ class EngineCore:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if self.attention_backend == "triton" and self.device.type != "cuda" and not interpreted:
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        if self.attention_backend == "triton":
+            from kernels.online_softmax import check_dot_shapes  # defines kernels: after TRITON_INTERPRET is set
+
+            check_dot_shapes(config.block_size, head_dim_of(self.hf_config), self.device)
         if self.attention_backend == "cpu" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError("the cpu attention backend (C kernels) runs float32 on a CPU only")
         if self.attention_backend == "cpu" and not cpu_kernels.available():

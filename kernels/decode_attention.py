@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import compute_mode, load_kv_page, online_softmax_step
+from kernels.online_softmax import check_dot_shapes, compute_mode, load_kv_page, online_softmax_step
 
 MAX_SPLITS = 32
 
@@ -134,6 +134,7 @@ def decode_attention(
     num_reqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    check_dot_shapes(block_size, head_dim, q.device)
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, q.device)

@@ -21,6 +21,18 @@ def compute_mode(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
+MIN_DOT_DIM = 16
+
+
+def check_dot_shapes(block_size: int, head_dim: int, device: torch.device) -> None:
+    """Both kernels multiply [rows, head_dim] by [head_dim, block_size] and [rows, block_size] by [block_size,
+    head_dim] with tl.dot, which on a GPU needs every dimension >= 16: an H100 (Triton 3.6) gave wrong attention
+    with 4- and 8-token pages, which the interpreter, checking nothing, computed right."""
+    if device.type == "cuda" and (block_size < MIN_DOT_DIM or head_dim < MIN_DOT_DIM):
+        raise ValueError(f"the Triton attention kernels need block_size and head_dim >= {MIN_DOT_DIM} on a GPU, got "
+                         f"block_size {block_size}, head_dim {head_dim}")
+
+
 @triton.jit
 def load_kv_page(  # noqa: ANN201  (a Triton device function)
     k_cache_ptr,

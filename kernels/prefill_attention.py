@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import compute_mode, load_kv_page, online_softmax_step
+from kernels.online_softmax import check_dot_shapes, compute_mode, load_kv_page, online_softmax_step
 
 
 @triton.jit
@@ -99,6 +99,7 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    check_dot_shapes(block_size, head_dim, q.device)
     out = torch.empty_like(q) if out is None else out
     num_reqs = seq_lens.shape[0]
     block_m = 64 if q.is_cuda else 16

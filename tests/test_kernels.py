@@ -122,3 +122,15 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].view(-1, kv_heads, head_dim)[95].equal(k[3])
     assert caches[0].abs().sum(dim=(2, 3)).count_nonzero() == 4  # the -1 lane wrote nothing
+
+
+def test_pages_or_heads_under_16_are_refused_for_a_gpu():
+    """tl.dot on a GPU needs dimensions >= 16 (the interpreter computes smaller ones; an H100 got them wrong)."""
+    from kernels.online_softmax import check_dot_shapes
+
+    cuda = torch.device("cuda")
+    for block_size, head_dim in ((8, 64), (4, 128), (16, 8)):
+        with pytest.raises(ValueError, match="block_size and head_dim >= 16"):
+            check_dot_shapes(block_size, head_dim, cuda)
+    check_dot_shapes(16, 64, cuda)
+    check_dot_shapes(4, 8, torch.device("cpu"))
