@@ -54,10 +54,17 @@ def smollm2_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
+@pytest.fixture(scope="session")
+def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
+    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(i) for i in ids) > 3 * 16  # some prompts span several blocks
+    return ids
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do."""
     with torch.inference_mode():
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=model.device)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

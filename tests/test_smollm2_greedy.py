@@ -6,17 +6,10 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from tests.conftest import PROMPTS, hf_greedy
+from tests.conftest import hf_greedy
 
 MAX_NEW = 40
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2: layers x kv_heads x head_dim, fp32, 16-token blocks
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2_tokenizer):
-    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
-    assert max(len(i) for i in ids) > 3 * 16  # some prompts span several blocks
-    return ids
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,86 @@
+"""On a CUDA GPU: the engine with its Triton kernels against transformers on the same device and dtype.
+
+Skipped where there is no GPU; there the same kernels run under the Triton interpreter (test_kernels.py,
+test_models_tiny.py). In float32 the tokens must be equal. In bfloat16 two correct implementations round
+differently and part ways at near-ties, so the check is vLLM's: equal up to the first difference, and there each
+side's token is among the other's top candidates.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import TINY_CONFIGS, hf_greedy
+from tests.test_smollm2_greedy import ARRIVALS, MAX_NEW, engine_with, run_staggered
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOP_K = 5
+
+
+def hf_on_gpu(folder, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+
+
+def hf_greedy_with_top_k(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens and, for each position, its TOP_K most likely tokens."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=model.generation_config.eos_token_id)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, [set(s[0].topk(TOP_K).indices.tolist()) for s in out.scores]
+
+
+def test_float32_greedy_equals_transformers_with_staggered_arrivals(smollm2_path, prompt_ids):
+    hf = hf_on_gpu(smollm2_path, torch.float32)
+    expected = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+    engine = engine_with(device="cuda", dtype="float32")
+    assert engine.attention_backend == "triton"
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+
+
+def test_bfloat16_greedy_agrees_with_transformers_until_a_near_tie(smollm2_path, prompt_ids):
+    hf = hf_on_gpu(smollm2_path, torch.bfloat16)
+    llm = LLM(None, device="cuda", dtype="bfloat16")
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=TOP_K))
+    identical = 0
+    for ids, out in zip(prompt_ids, outs, strict=True):
+        ref_tokens, ref_top = hf_greedy_with_top_k(hf, ids, MAX_NEW)
+        ours = out.outputs[0]
+        first_diff = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens, strict=False)) if a != b), None)
+        if first_diff is None:
+            assert len(ours.token_ids) == len(ref_tokens)
+            identical += 1
+            continue
+        our_top = {t for t, lp in ours.logprobs[first_diff].items() if lp.rank <= TOP_K}
+        assert ours.token_ids[first_diff] in ref_top[first_diff], (ids, first_diff)
+        assert ref_tokens[first_diff] in our_top, (ids, first_diff)
+    print(f"bfloat16: {identical} of {len(prompt_ids)} prompts token-identical to transformers for {MAX_NEW} tokens")
+    assert identical >= len(prompt_ids) // 2
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_tiny_models_float32_greedy_equals_transformers(kind, tiny_model):
+    folder = tiny_model(kind)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 17, 40)]
+    hf = hf_on_gpu(folder, torch.float32)
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
+    # A 16-token budget: multi-block tables and chunked prefill for the longer prompts.
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.attention_backend == "triton"
+
+
+def test_pages_under_16_tokens_are_refused_on_a_gpu(tiny_model):
+    with pytest.raises(ValueError, match="block_size and head_dim >= 16"):
+        LLM(str(tiny_model("qwen3-qknorm")), device="cuda", block_size=8, kv_cache_memory=4 << 20)
