@@ -49,7 +49,8 @@ def parse_memory(text: str) -> int | float:
 
 _HELP = {
     "max_num_seqs": "most requests in the running batch",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default 256 on CPU",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); on CPU the default is "
+                              "sized at start-up for ~0.6 s steps",
     "prefill_tokens_per_decode": "prompt tokens a step may carry per decode in it, at least a block (keeps running "
     "streams' inter-token gaps short while prompts arrive); default: the whole step budget",
     "max_model_len": "longest prompt + output (default: the model's)",

@@ -15,6 +15,17 @@ from kernels import cpu as cpu_kernels
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
+# The CPU's step token budget, sized at start-up (EngineCore._size_token_budget). With 64 streams decoding beside
+# prefill chunks, the 99th percentile gap between two tokens ran 1.3-1.4x the step's time; steps of ~0.6 s keep it
+# under 1 s while a step stays big enough for throughput (384 tokens at 1.55 ms a token).
+CPU_STEP_TARGET_S = 0.6
+MIN_CPU_TOKEN_BUDGET, MAX_CPU_TOKEN_BUDGET = 128, 1024
+
+
+def cpu_token_budget(seconds_per_token: float, block_size: int = 16) -> int:
+    """The most tokens a step of about CPU_STEP_TARGET_S holds, in whole blocks, within the bounds above."""
+    budget = int(CPU_STEP_TARGET_S / seconds_per_token) // block_size * block_size
+    return max(MIN_CPU_TOKEN_BUDGET, min(MAX_CPU_TOKEN_BUDGET, budget))
 
 
 @dataclass(frozen=True)
@@ -88,9 +99,9 @@ class EngineConfig:
     def resolve_max_num_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        # NOTE: on the 2-core development CPUs a step past ~16 tokens costs 1.5-4 ms per token for the 135M default
-        # model (compute-bound; instances measured 70-160 GFLOP/s of matmul), so 256 tokens keeps every step, and so
-        # the gap between two tokens of a running stream, under ~1 s even with 64 streams decoding beside a prefill
-        # chunk; 512 let steps reach 2.5 s on the slower instances. Larger budgets only pay off where steps are
-        # cheap (GPUs).
+        # NOTE: on a CPU this is where the engine starts: it then times a few prefill steps and resizes the budget
+        # to the machine (EngineCore._size_token_budget). On the 2-core development CPUs a step past ~16 tokens costs
+        # 1.5-4 ms per token for the 135M default model (instances measured 70-160 GFLOP/s of matmul), so a fixed
+        # 512 let steps reach 2.5 s on the slower instances while 384 paid off on the faster ones. Larger budgets
+        # only pay off where steps are cheap (GPUs).
         return 256 if device.type == "cpu" else max(8192, min(max_model_len, 16384))

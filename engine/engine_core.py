@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION, EngineConfig
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_GPU_KV_CACHE_FRACTION,
+    MIN_CPU_TOKEN_BUDGET,
+    EngineConfig,
+    cpu_token_budget,
+)
 from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
 from engine.limits import EngineLimits
 from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
@@ -27,6 +33,7 @@ from engine.scheduler import Scheduler
 from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
+BUDGET_PROBE_TOKENS, BUDGET_PROBES = 256, 5
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,36 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.prefill_tokens_per_decode)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
+        if config.max_num_batched_tokens is None and self.device.type == "cpu":
+            self._size_token_budget()
+
+    def _size_token_budget(self) -> None:
+        """Size the step's token budget to this CPU. A step past a few dozen tokens is compute-bound, so its time is
+        close to tokens x the cost of one, and it is the gap every running stream waits between two tokens;
+        instances of one machine kind differ 2x in that cost. Time a few prefill steps, then fix the budget so a
+        full step takes about CPU_STEP_TARGET_S. It is measured once, at start-up: from then on the scheduling is
+        deterministic (pass max_num_batched_tokens to fix it across machines too)."""
+        block_size = self.config.block_size
+        n = min(BUDGET_PROBE_TOKENS, self.max_model_len - 1, (self.kv_cache.num_blocks - 1) * block_size)
+        if n < MIN_CPU_TOKEN_BUDGET // 2:
+            return  # a toy pool or context: keep the default
+        params = SamplingParams(temperature=0, max_tokens=1)
+        timings = []
+        for i in range(BUDGET_PROBES):
+            ids = [(7919 * i + 104729 * j) % self.vocab_size for j in range(n)]
+            self.add_request(f"budget-probe-{i}", ids, params)
+            start = time.perf_counter()
+            while self.has_unfinished_requests():
+                self.step()
+            timings.append(time.perf_counter() - start)
+        # The first pays one-off costs (page faults, thread start-up); the fastest of the rest is the machine's
+        # speed, the others caught it busy with something else.
+        per_token = min(timings[1:]) / n
+        budget = cpu_token_budget(per_token, block_size)
+        self.max_num_batched_tokens = self.scheduler.max_num_batched_tokens = budget
+        self.block_manager.num_query_tokens = self.block_manager.num_hit_tokens = 0
+        logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token)",
+                    budget, n, per_token * n * 1000, per_token * 1000)
 
     def _max_model_len(self) -> int:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))

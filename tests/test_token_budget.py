@@ -1,0 +1,33 @@
+"""The CPU's step token budget, sized at start-up from timed prefill steps."""
+
+import pytest
+
+from engine import LLM
+from engine.config import MAX_CPU_TOKEN_BUDGET, MIN_CPU_TOKEN_BUDGET, cpu_token_budget
+
+
+@pytest.mark.parametrize(("per_token_ms", "budget"),
+                         [(1.55, 384), (1.58, 368), (2.41, 240), (4.0, 144), (9.0, 128), (0.1, 1024)])
+def test_budget_fills_the_target_step_time(per_token_ms, budget):
+    assert cpu_token_budget(per_token_ms / 1000) == budget
+
+
+def test_engine_sizes_its_budget_and_leaves_no_trace(tiny_model):
+    llm = LLM(str(tiny_model("llama-gqa-tied")), kv_cache_memory=4 << 20, attention_backend="cpu")
+    engine = llm.engine
+    budget = engine.max_num_batched_tokens
+    assert MIN_CPU_TOKEN_BUDGET <= budget <= MAX_CPU_TOKEN_BUDGET and budget % 16 == 0
+    assert engine.scheduler.max_num_batched_tokens == budget
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0
+
+
+def test_an_explicit_budget_or_a_toy_pool_is_kept(tiny_model):
+    folder = str(tiny_model("llama-gqa-tied"))
+    assert LLM(folder, kv_cache_memory=4 << 20, max_num_batched_tokens=48).engine.max_num_batched_tokens == 48
+    # 4 blocks of 16 tokens: too small to time a prefill step in, so the default stays.
+    toy = LLM(folder, kv_cache_memory=4 * 2 * 2 * 2 * 16 * 16 * 4, attention_backend="cpu")
+    assert toy.engine.kv_cache.num_blocks == 4
+    assert toy.engine.max_num_batched_tokens == 256
