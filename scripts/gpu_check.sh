@@ -19,8 +19,8 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 
 if [[ " $STEPS " == *" tests "* ]]; then
     # shellcheck disable=SC2086
-    $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_kernels.py tests/test_gpu.py} -rs -s 2>&1 | tee "$OUT/tests.log" \
-        || status=1
+    $PY -m pytest -q -p no:cacheprovider -rs -s ${TESTS:-tests/test_kernels.py tests/test_gpu.py} 2>&1 \
+        | tee "$OUT/tests.log" || status=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
     $PY -m kernels.bench --save "$OUT/kernels_bench.json" 2>&1 | tee "$OUT/kernels_bench.md" || status=1
