@@ -3,6 +3,9 @@
 #   bash loadtest/side_by_side.sh [OUT_DIR]      (default results/side_by_side)
 # Needs the peer set up once: bash $PEERS/setup_vllm.sh (PEERS defaults to ../shared/peers).
 # Env: SWEEP (default 1,4,16,64), NUM_PROMPTS (16), INPUT_LEN (128), OUTPUT_LEN (128), HARPOON_ARGS (extra serve flags).
+# VARIANTS measures more Harpoon settings in the same run, one server each, e.g.
+#   VARIANTS='r3=--prefill-tokens-per-decode 3;b512=--max-num-batched-tokens 512' bash loadtest/side_by_side.sh
+# (label=flags, ';'-separated); each gets its own rows and its own ratios against vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/side_by_side}
@@ -12,13 +15,23 @@ ARGS=(--num-prompts "${NUM_PROMPTS:-16}" --input-len "${INPUT_LEN:-128}" --outpu
       --sweep-concurrency "${SWEEP:-1,4,16,64}" --no-progress)
 mkdir -p "$OUT"
 
-# shellcheck disable=SC2086
-setsid .venv/bin/harpoon serve --port 8000 ${HARPOON_ARGS:-} > "$OUT/harpoon_server.log" 2>&1 &
-HARPOON_PID=$!
-trap 'kill $HARPOON_PID 2>/dev/null || true' EXIT
-$PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label harpoon "${ARGS[@]}" --save "$OUT/harpoon.json"
-kill "$HARPOON_PID"; wait "$HARPOON_PID" 2>/dev/null || true
-sleep 3
+LABELS=()
+run_harpoon() {  # label, extra serve flags (word-split on purpose)
+    # shellcheck disable=SC2086
+    setsid .venv/bin/harpoon serve --port 8000 $2 > "$OUT/$1_server.log" 2>&1 &
+    HARPOON_PID=$!
+    trap 'kill $HARPOON_PID 2>/dev/null || true' EXIT
+    $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label "$1" "${ARGS[@]}" --save "$OUT/$1.json"
+    kill "$HARPOON_PID"; wait "$HARPOON_PID" 2>/dev/null || true
+    LABELS+=("$1")
+    sleep 3
+}
+run_harpoon harpoon "${HARPOON_ARGS:-}"
+IFS=';' read -ra EXTRA <<< "${VARIANTS:-}"
+for variant in "${EXTRA[@]}"; do
+    [[ $variant == *=* ]] || { echo "VARIANTS entries are label=flags, got: $variant" >&2; exit 2; }
+    run_harpoon "harpoon-${variant%%=*}" "${variant#*=}"
+done
 
 bash "$PEERS/start_vllm.sh"
 $PY -m loadtest.serve --base-url http://127.0.0.1:8100 --label vllm-cpu "${ARGS[@]}" --save "$OUT/vllm.json" \
@@ -26,3 +39,6 @@ $PY -m loadtest.serve --base-url http://127.0.0.1:8100 --label vllm-cpu "${ARGS[
 bash "$PEERS/stop_server.sh" /tmp/peer-vllm.pid
 
 $PY -m loadtest.serve --merge "$OUT/harpoon.json" "$OUT/vllm.json" --plot-dir "$OUT" | tee "$OUT/table.md"
+for label in "${LABELS[@]:1}"; do
+    $PY -m loadtest.serve --merge "$OUT/$label.json" "$OUT/vllm.json" | tee -a "$OUT/table.md"
+done
