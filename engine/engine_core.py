@@ -101,7 +101,7 @@ class EngineCore:
         self.limits = EngineLimits(self.max_model_len, self.vocab_size, config.block_size, self.kv_cache.num_blocks)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.prefill_tokens_per_decode)
+                                   config.resolve_prefill_tokens_per_decode(self.device))
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
         if config.max_num_batched_tokens is None and self.device.type == "cpu":
             self._size_token_budget()

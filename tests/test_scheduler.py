@@ -1,9 +1,10 @@
 """Scheduler unit tests: no model, the test plays the model runner by handing back sampled tokens."""
 
 import pytest
+import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE, EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -207,6 +208,15 @@ def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
     assert out.num_scheduled_tokens == {"late": 24, "longer": 40}  # no decodes left: the whole budget
 
 
-def test_prefill_tokens_per_decode_must_be_positive():
-    with pytest.raises(ValueError, match="prefill_tokens_per_decode must be > 0"):
-        EngineConfig(prefill_tokens_per_decode=0)
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_prefill_tokens_per_decode_must_not_be_negative(bad: float):
+    with pytest.raises(ValueError, match="prefill_tokens_per_decode must be >= 0"):
+        EngineConfig(prefill_tokens_per_decode=bad)
+
+
+def test_prefill_tokens_per_decode_default_caps_cpu_steps_only():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().resolve_prefill_tokens_per_decode(cpu) == DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE
+    assert EngineConfig().resolve_prefill_tokens_per_decode(gpu) is None
+    assert EngineConfig(prefill_tokens_per_decode=0).resolve_prefill_tokens_per_decode(cpu) is None  # 0: no cap
+    assert EngineConfig(prefill_tokens_per_decode=1.5).resolve_prefill_tokens_per_decode(gpu) == 1.5
