@@ -17,7 +17,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
 # The CPU's step token budget, sized at start-up (EngineCore._size_token_budget). With 64 streams decoding beside
 # prefill chunks, the 99th percentile gap between two tokens ran 1.3-1.4x the step's time; steps of ~0.6 s keep it
-# under 1 s while a step stays big enough for throughput (384 tokens at 1.55 ms a token).
+# under 1 s while a step stays big enough for throughput (384 tokens at 1.55 ms a token). With the per-decode cap
+# below, the whole budget is reached by steps with nothing to decode (a burst) or with ~a quarter of it decoding.
 CPU_STEP_TARGET_S = 0.6
 MIN_CPU_TOKEN_BUDGET, MAX_CPU_TOKEN_BUDGET = 128, 1024
 # Prompt tokens a CPU step may carry per decode in it (Scheduler.prefill_budget). A prompt arriving beside running
