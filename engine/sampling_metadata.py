@@ -29,6 +29,12 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf (min_tokens)
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch, None if nobody asked
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: nothing changes them and nobody asked for logprobs."""
+        return (self.all_greedy and self.logit_bias is None and self.banned is None
+                and self.repetition_penalty is None and self.max_num_logprobs is None)
+
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]

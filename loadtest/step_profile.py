@@ -26,9 +26,11 @@ from engine import LLM, SamplingParams  # before torch: it sets the OpenMP polic
 import torch
 
 # isort: on
+from engine.models.greedy_head import MAX_ROWS
 from kernels import cpu as cpu_kernels
 
-_KERNELS = ("linear", "paged_decode_attention", "add_rms_norm", "rms_norm", "rotary_", "silu_mul", "store_kv")
+_KERNELS = ("linear", "paged_decode_attention", "add_rms_norm", "rms_norm", "rotary_", "silu_mul", "store_kv",
+            "linear_int8", "screened_argmax")
 
 
 def _timed_kernels(totals: dict[str, float]) -> None:
@@ -71,6 +73,20 @@ def _measure(llm: LLM, steps: int, totals: dict[str, float], use_profiler: bool)
     return elapsed / steps, elapsed / steps
 
 
+def _head_ab(llm: LLM, steps: int) -> tuple[float, float]:
+    """Mean seconds per decode step with the screened greedy head and with the full LM head, alternating step by
+    step so both see the same machine."""
+    engine, model = llm.engine, llm.engine.model
+    head, times = model.greedy_head, ([], [])
+    for i in range(2 * steps):
+        model.greedy_head = head if i % 2 == 0 else None
+        start = time.perf_counter()
+        engine.step()
+        times[i % 2].append(time.perf_counter() - start)
+    model.greedy_head = head
+    return sum(times[0]) / steps, sum(times[1]) / steps
+
+
 def _row(label: str, step_s: float, totals: dict[str, float], steps: int, top: int, split_s: float) -> str:
     """``split_s``: seconds per step of the pass ``totals`` come from."""
     parts = sorted(((k, v / steps * 1000) for k, v in totals.items()), key=lambda kv: -kv[1])[:top]
@@ -85,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
-    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=7, help="operation families listed per row")
@@ -102,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     # Long enough to outlast the prefill of the whole batch; aborted once measured.
     greedy = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     vocab = engine.vocab_size
+    head_rows = []
     for n, batch in enumerate(int(b) for b in args.batches.split(",")):
         for i in range(batch):
             ids = [(1000 + n * 7919 + i * 104729 + j * 31) % vocab for j in range(args.prompt_len)]
@@ -113,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         assert engine.scheduler.num_running == batch, "the batch must still be whole while it is measured"
         step_s, split_s = _measure(llm, args.steps, totals, use_profiler)
         print(_row(f"decode, batch {batch}", step_s, totals, args.steps, args.top, split_s))
+        if engine.model.greedy_head is not None and batch <= MAX_ROWS:
+            screened, full = _head_ab(llm, args.steps)
+            head_rows.append(f"| {batch} | {screened * 1000:.1f} | {full * 1000:.1f} |")
         engine.abort_requests([f"b{batch}-{i}" for i in range(batch)])
     one = SamplingParams(temperature=0, max_tokens=1)
     engine.add_request("prefill-0", [(2000 + j) % vocab for j in range(args.prompt_len)], one)
@@ -129,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top, step_s))
     while engine.has_unfinished_requests():
         engine.step()
+    if head_rows:
+        print("\nGreedy tokens from the screened LM head or the full one, alternating step by step (ms per step):\n")
+        print("| batch | screened head | full head |\n|---|---|---|")
+        print("\n".join(head_rows))
 
 
 if __name__ == "__main__":

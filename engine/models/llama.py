@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, make_attention
+from engine.models.greedy_head import ScreenedGreedyHead
 from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
 from kernels import cpu as cpu_kernels
@@ -194,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
         self.cpu_decoder: Decoder | None = None  # all layers in one C call, for decodes and short prefill chunks
+        self.greedy_head: ScreenedGreedyHead | None = None  # greedy tokens without the full fp32 logits
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -234,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
             return cpu_kernels.linear(hidden, self.packed_tied_head, self.config.vocab_size)
         return linear(hidden, self.embed_tokens.weight).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(-1)``, the same tokens, without computing the full logits where the C
+        kernels' screened head can (small batches); None where the caller must compute the logits."""
+        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
+
     def use_cpu_kernels(self) -> None:
         """Switches an fp32 CPU model, once its weights are loaded, to the C kernels of ``kernels/cpu``: packed
         weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
@@ -246,6 +253,9 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:
             self.packed_tied_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
+        head = self.packed_tied_head if self.lm_head is None else self.lm_head.packed
+        if head.shape[1] % 4 == 0 and (self.lm_head is None or self.lm_head.bias is None):
+            self.greedy_head = ScreenedGreedyHead(head, self.config.vocab_size)
         self.cpu_decoder = self._cpu_decoder()
 
     def _cpu_decoder(self) -> Decoder:

@@ -73,6 +73,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.hp_pack_weight.argtypes = [_ptr, _ptr, _c_int, _c_int]
     lib.hp_linear.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
+    lib.hp_linear_i8.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
+    lib.hp_screened_argmax.argtypes = [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr]
     lib.hp_paged_decode_attention.argtypes = [
         _ptr,
         _c_i64,
@@ -98,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
     for fn in (
         lib.hp_pack_weight,
         lib.hp_linear,
+        lib.hp_linear_i8,
+        lib.hp_screened_argmax,
         lib.hp_paged_decode_attention,
         lib.hp_rms_norm,
         lib.hp_add_rms_norm,
@@ -151,6 +155,68 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
             x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features, m, out_features, k
         )
     return y
+
+
+def pack_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 copy of a weight [N, K] for ``linear_int8``: one scale per output row (its largest magnitude over
+    127, rounded to nearest), in the panel layout of ``hp_linear_i8`` (four k per 32-bit lane). Returns the packed
+    bytes [ceil(N / P), K / 4, P / 8, 8, 4] and the scales [ceil(N / P) * P] (zero-padded)."""
+    _check(weight, torch.float32, "weight")
+    n, k = weight.shape
+    if k % 4:
+        raise ValueError(f"int8 panels need in_features divisible by 4, got {k}")
+    panel = _library().hp_panel_width()
+    padded = -(-n // panel) * panel
+    scales = torch.zeros(padded, dtype=torch.float32)
+    scales[:n] = weight.abs().amax(dim=1) / 127
+    quantized = torch.zeros(padded, k, dtype=torch.int8)
+    safe = torch.where(scales[:n] > 0, scales[:n], 1.0).unsqueeze(1)
+    quantized[:n] = (weight / safe).round().clamp(-127, 127).to(torch.int8)
+    packed = quantized.view(padded // panel, panel // 8, 8, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+    return packed, scales
+
+
+def int8_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The int8 weight [N, K] that ``pack_weight_int8`` packed, back in row layout."""
+    return packed.permute(0, 2, 3, 1, 4).reshape(-1, packed.shape[1] * 4)[:out_features]
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Approximately ``x @ weight.T`` for fp32 ``x`` [M, K] and ``packed, scales = pack_weight_int8(weight)``."""
+    _check(x, torch.float32, "x")
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if packed.dtype != torch.int8 or packed.shape[1] * 4 != k or scales.numel() < out_features:
+        raise ValueError(f"int8 weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        _library().hp_linear_i8(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), out_features, m,
+            out_features, k,
+        )
+    return y
+
+
+def screened_argmax(
+    hidden: torch.Tensor, approx: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, max_candidates: int
+) -> torch.Tensor:
+    """Per row of ``hidden`` [M, K], the argmax of ``linear(hidden, packed, N)`` given ``approx`` [M, N] within
+    ``||h|| error`` [N] (float64) of it: the columns that may hold the largest logit are recomputed exactly.
+    Returns [M] int64, -1 in a row with more than ``max_candidates`` of them or a value that is not finite."""
+    hidden = _rows(hidden, "hidden")
+    _check(approx, torch.float32, "approx")
+    _check(error, torch.float64, "error")
+    _check(packed, torch.float32, "packed")
+    m, n = approx.shape
+    k = hidden.shape[1]
+    if hidden.shape[0] != m or error.shape != (n,) or not approx.is_contiguous() or packed.shape[1] != k:
+        raise ValueError(f"screened_argmax: hidden {tuple(hidden.shape)}, approx {tuple(approx.shape)}, error "
+                         f"{tuple(error.shape)}, packed {tuple(packed.shape)} do not match")
+    tokens = torch.empty(m, dtype=torch.int64)
+    _library().hp_screened_argmax(hidden.data_ptr(), hidden.stride(0), m, k, approx.data_ptr(), error.data_ptr(),
+                                  packed.data_ptr(), n, max_candidates, tokens.data_ptr())
+    return tokens
 
 
 def paged_decode_attention(

@@ -122,26 +122,44 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
             }
 }
 
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "int8 panels keep four weights in the bytes of a 32-bit lane, low byte first"
+#endif
+
+/* Weight kk (0..3) of each lane of an int8 panel vector, as floats: shifted to the top byte, then arithmetically back
+ * down, which sign-extends it. NOTE: GCC 12 widens an 8-byte vector to eight ints one element at a time, so the
+ * int8 layout (see hp_linear_i8) puts four consecutive k of one column in each 32-bit lane instead. */
+static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v8f); }
+
 /* y[rows, cols] (+)= x[rows, kc] . panel[kc, NR]: NV * rows accumulators, one broadcast of x per row and k. The
- * first k block stores, later ones add, the last adds the bias. */
+ * first k block stores, later ones add, the last adds the bias, or for int8 panels scales each column. */
 static inline __attribute__((always_inline)) void micro_kernel(int rows, const float *x, int64_t ldx,
-                                                               const float *panel, int kc, float *y, int64_t ldy,
-                                                               int cols, const float *bias, int first) {
+                                                               const void *panel, int kc, float *y, int64_t ldy,
+                                                               int cols, const float *bias, const float *scale,
+                                                               int first, int quantized) {
     v8f c[MR][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
-    for (int k = 0; k < kc; k++) {
-        v8f b[NV];
+    for (int k = 0; k < kc; k += quantized ? 4 : 1) {
+        v8i w[NV];
+        if (quantized) {
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) b[v] = load8(panel + (int64_t)k * NR + 8 * v);
+            for (int v = 0; v < NV; v++) w[v] = *(const v8i *)((const signed char *)panel + ((int64_t)k * NV + 4 * v) * 8);
+        }
+        for (int kk = 0; kk < (quantized ? 4 : 1); kk++) { /* unrolled once inlined with a constant `quantized` */
+            v8f b[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++)
+                b[v] = quantized ? int8_lane(w[v], kk) : load8((const float *)panel + (int64_t)k * NR + 8 * v);
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            if (i < rows) {
-                v8f a = splat8(x[i * ldx + k]); /* one vbroadcastss from memory */
+            for (int i = 0; i < MR; i++) {
+                if (i < rows) {
+                    v8f a = splat8(x[i * ldx + k + kk]); /* one vbroadcastss from memory */
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
+                    for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
+                }
             }
         }
     }
@@ -151,53 +169,148 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
         float *yi = y + i * ldy;
         if (cols == NR && !bias) {
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) *(v8f *)(yi + 8 * v) = first ? c[i][v] : load8(yi + 8 * v) + c[i][v];
+            for (int v = 0; v < NV; v++) {
+                v8f t = first ? c[i][v] : load8(yi + 8 * v) + c[i][v];
+                if (quantized && scale) t *= load8(scale + 8 * v);
+                *(v8f *)(yi + 8 * v) = t;
+            }
         } else {
-            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+            for (int j = 0; j < cols; j++) {
+                float t = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+                yi[j] = quantized && scale ? t * scale[j] : t;
+            }
         }
     }
 }
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
- * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
- * 24 KB) stays in L1 while every row of the block passes over it. A decode batch thus streams the weights once.
- * NOTE: NV = 3, MR = 4, KC = 256 measured best on the AMD EPYC development machines (~70 GFLOP/s on two cores
- * for 256 rows, as fast as OpenBLAS; 6x16 and 3x32 tiles were 5-15% slower). */
 #ifndef KC
 #define KC 256
 #endif
-void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
-               int N, int K) {
-    int panels = (N + NR - 1) / NR;
-    int block = (int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR;
-    for (int m0 = 0; m0 < M; m0 += block) {
-        int m1 = m0 + block < M ? m0 + block : M;
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < panels; p++) {
-            int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-            for (int k0 = 0; k0 < K; k0 += KC) {
-                const float *panel = packed + ((int64_t)p * K + k0) * NR;
-                int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0;
-                const float *b = bias && k0 + KC >= K ? bias + n0 : 0;
-                for (int m = m0; m < m1; m += MR) {
-                    const float *xm = x + m * ldx + k0;
-                    float *ym = y + m * ldy + n0;
-                    switch (m1 - m < MR ? m1 - m : MR) {
-                    /* a constant row count per call, so each case compiles to its own unrolled kernel */
-                    case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
-                    case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. */
+static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
+                                                                const void *packed, const float *bias,
+                                                                const float *scales, float *y, int64_t ldy, int N,
+                                                                int K, int quantized) {
+    int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const void *panel = (const char *)packed + ((int64_t)p * K + k0) * NR * (quantized ? 1 : sizeof(float));
+        int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + KC >= K;
+        const float *b = bias && last ? bias + n0 : 0, *sc = scales && last ? scales + n0 : 0;
+        for (int m = m0; m < m1; m += MR) {
+            const float *xm = x + m * ldx + k0;
+            float *ym = y + m * ldy + n0;
+            switch (m1 - m < MR ? m1 - m : MR) {
+            /* a constant row count per call, so each case compiles to its own unrolled kernel */
+            case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
+            case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
 #if MR > 3
-                    case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+            case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
 #endif
 #if MR > 4
-                    case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
-                    case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+            case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
+            case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
 #endif
-                    default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
-                    }
-                }
+            default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
             }
         }
+    }
+}
+
+/* Rows per block: a block's k slices stay in L2 while the panels pass over them. */
+#define ROW_BLOCK ((int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR)
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
+ * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
+ * 24 KB) stays in L1 while every row of the block passes over it. A decode batch thus streams the weights once.
+ * Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
+ * does not depend on the batch, and a subset of columns packed on its own computes bit-identical values.
+ * NOTE: NV = 3, MR = 4, KC = 256 measured best on the AMD EPYC development machines (~70 GFLOP/s on two cores
+ * for 256 rows, as fast as OpenBLAS; 6x16 and 3x32 tiles were 5-15% slower).
+ * NOTE: hp_linear and hp_linear_i8 each have their own parallel loop, so OpenMP outlines one body per weight
+ * type with `quantized` a constant; a shared body had made it a runtime flag inside the micro-kernel. */
+void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
+               int N, int K) {
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, 0);
+    }
+}
+
+/* y [M, N] ~= x . w^T for int8 panels and per-column scales [>= N]: a quarter of the fp32 weight's bytes, for
+ * products whose error is bounded and checked by the caller (the LM head's screened argmax). A panel is
+ * [K / 4, NV, 8, 4]: lane l of vector v holds column 8 v + l at four consecutive k, low byte first; K % 4 == 0. */
+void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
+                  int M, int N, int K) {
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, 0, scales, y, ldy, N, K, 1);
+    }
+}
+
+typedef double v4d __attribute__((vector_size(32), aligned(8)));
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+typedef long long v4l __attribute__((vector_size(32)));
+
+/* Column j of hp_linear's y = x . w^T for one row x, computed as hp_linear computes it: the same micro-kernel over
+ * j's panel, the same k blocks, the same store path for a partial last panel. */
+static float linear_column(const float *x, const float *packed, int N, int K, int j) {
+    int p = j / NR, n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    float y[NR];
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        int kc = K - k0 < KC ? K - k0 : KC;
+        micro_kernel(1, x + k0, 0, packed + ((int64_t)p * K + k0) * NR, kc, y, NR, cols, 0, 0, k0 == 0, 0);
+    }
+    return y[j - n0];
+}
+
+/* Greedy tokens from approximate logits (engine/models/greedy_head.py explains the bound): for row m of h [M, K],
+ * every column j with approx_j + r_j >= max_i (approx_i - r_i), where r_j = ||h_m|| err_j bounds |approx_j -
+ * logit_j|, may hold the argmax of the exact logits; each is recomputed as hp_linear would (packed, N, K), and the
+ * largest, lowest j on a tie, is tokens[m]. In double, with ||h_m|| rounded up by a relative 2^-20 and a slack of
+ * 2^-30 of the magnitudes in the comparison, both far above double's rounding here. tokens[m] = -1 where a value is
+ * not finite or more than max_cand columns qualify: the caller then computes all logits. */
+void hp_screened_argmax(const float *h, int64_t ldh, int M, int K, const float *approx, const double *err,
+                        const float *packed, int N, int max_cand, int64_t *tokens) {
+    for (int m = 0; m < M; m++) {
+        const float *a = approx + (int64_t)m * N, *x = h + m * ldh;
+        double sq = 0.0;
+        for (int k = 0; k < K; k++) sq += (double)x[k] * x[k];
+        const double norm = sqrt(sq) * (1.0 + 0x1p-20);
+        const v4d vnorm = {norm, norm, norm, norm};
+        v4d floor4 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, widest4 = {0}, nan4 = {0};
+        int j = 0;
+        for (; j + 4 <= N; j += 4) {
+            v4d aj = __builtin_convertvector(*(const v4f *)(a + j), v4d), r = vnorm * *(const v4d *)(err + j);
+            v4d lo = aj - r;
+            nan4 += aj - aj; /* NaN once any a_j is infinite or NaN */
+            floor4 = (v4d)(((v4l)lo & (v4l)(lo > floor4)) | ((v4l)floor4 & ~(v4l)(lo > floor4)));
+            widest4 = (v4d)(((v4l)r & (v4l)(r > widest4)) | ((v4l)widest4 & ~(v4l)(r > widest4)));
+        }
+        double floor = -INFINITY, widest = 0.0, nan = nan4[0] + nan4[1] + nan4[2] + nan4[3];
+        for (int i = 0; i < 4; i++) {
+            floor = floor4[i] > floor ? floor4[i] : floor;
+            widest = widest4[i] > widest ? widest4[i] : widest;
+        }
+        for (; j < N; j++) {
+            double r = norm * err[j];
+            nan += a[j] - a[j];
+            floor = a[j] - r > floor ? a[j] - r : floor;
+            widest = r > widest ? r : widest;
+        }
+        tokens[m] = -1;
+        if (!isfinite(norm) || nan != 0.0) continue;
+        const double threshold = floor - 0x1p-30 * (1.0 + fabs(floor) + widest);
+        int count = 0;
+        float best = -INFINITY;
+        for (j = 0; j < N && count <= max_cand; j++) {
+            if (a[j] + norm * err[j] < threshold) continue;
+            count++;
+            float logit = linear_column(x, packed, N, K, j);
+            if (tokens[m] < 0 || logit > best) best = logit, tokens[m] = j;
+        }
+        if (count > max_cand) tokens[m] = -1;
     }
 }
 
