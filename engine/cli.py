@@ -83,15 +83,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_args_from(namespace: argparse.Namespace) -> dict:
+def engine_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The engine options given on the command line, checked now: a bad value is the parser's usage error, before
+    a model is resolved or loaded."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    return {k: v for k, v in vars(namespace).items() if k in names and v is not None}
+    args = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
+    try:
+        EngineConfig.from_kwargs(**args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
 
 
 def parse_engine_args(flags: list[str]) -> dict:
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(parser)
-    return engine_args_from(parser.parse_args(flags))
+    return engine_args_from(parser.parse_args(flags), parser)
 
 
 def _generate(argv: list[str]) -> None:
@@ -103,9 +110,10 @@ def _generate(argv: list[str]) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    engine_args = engine_args_from(args, parser)
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_args_from(args))
+    llm = LLM(args.model, **engine_args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(

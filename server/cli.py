@@ -71,10 +71,10 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     files = resolve_model(args.model)  # in this process first: a GGUF is converted once, here
     tokenizer = load_tokenizer(files)
-    config = EngineConfig.from_kwargs(model=str(files.path), **engine_args_from(args))
+    config = EngineConfig.from_kwargs(model=str(files.path), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
     info = await client.start()
     name = args.served_model_name or files.name
@@ -93,9 +93,11 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    engine_args = engine_args_from(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    asyncio.run(serve(args, engine_args))
 
 
 if __name__ == "__main__":

@@ -89,3 +89,22 @@ def test_engine_death_mid_request_fails_the_request(stream):
             assert r.status_code == 503
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prefill-tokens-per-decode", "-1"], "prefill_tokens_per_decode must be >= 0, got -1.0"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    (["--kv-cache-memory", "1.5"], "kv_cache_memory as a fraction must be in (0, 1]"),
+])
+def test_bad_engine_flags_are_usage_errors_before_any_model_loads(flags, message, capsys, monkeypatch):
+    import server.cli
+
+    def no_model(_):
+        raise AssertionError("resolved a model for a command line that was already wrong")
+
+    monkeypatch.setattr(server.cli, "resolve_model", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        server.cli.main(flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: harpoon serve") and message in err
