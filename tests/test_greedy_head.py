@@ -77,6 +77,16 @@ def test_int8_weights_round_each_row_to_its_scale():
         cpu.pack_weight_int8(torch.randn(4, 6))
 
 
+def test_building_in_chunks_gives_the_same_head(monkeypatch):
+    import engine.models.greedy_head as greedy_head
+
+    whole, packed = make_head(seed=5)
+    monkeypatch.setattr(greedy_head, "BUILD_CHUNK", 3 * HIDDEN * packed.shape[2])  # 3 panels a chunk, 14 chunks
+    chunked = ScreenedGreedyHead(packed, VOCAB)
+    assert torch.equal(chunked.quantized, whole.quantized) and torch.equal(chunked.scales, whole.scales)
+    assert torch.equal(chunked.error, whole.error)
+
+
 def test_refuses_what_it_cannot_decide():
     head, packed = make_head()
     assert head.argmax(torch.randn(MAX_ROWS + 1, HIDDEN)) is None  # a batch the full head serves faster

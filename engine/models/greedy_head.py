@@ -22,6 +22,7 @@ from kernels import cpu as cpu_kernels
 # the fp32 head's 3.5 / 4.0 / 4.6 / 5.8 ms, and was slower from 16 rows on.
 MAX_ROWS = 8
 MAX_CANDIDATES = 256  # per row; more (a flat distribution, a huge ||h||) and the full head is cheaper
+BUILD_CHUNK = 2**22  # weights per chunk while building: the float64 temporaries of the bound stay ~32 MB
 
 
 def row_error_bounds(weight: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -50,10 +51,17 @@ class ScreenedGreedyHead:
         self.packed_head = packed_head  # [panels, K, P]: the fp32 head, shared with the model
         self.vocab_size = vocab_size
         panels, k, width = packed_head.shape
-        weight = packed_head.permute(0, 2, 1).reshape(panels * width, k)[:vocab_size]
-        self.quantized, self.scales = cpu_kernels.pack_weight_int8(weight)
-        rows = cpu_kernels.int8_rows(self.quantized, vocab_size)
-        self.error = row_error_bounds(weight, rows, self.scales[:vocab_size])
+        step = max(1, BUILD_CHUNK // (k * width))  # panels at a time, whatever the head's size
+        quantized, scales, errors = [], [], []
+        for p0 in range(0, panels, step):
+            chunk = packed_head[p0 : p0 + step]
+            n = min(vocab_size - p0 * width, chunk.shape[0] * width)
+            weight = chunk.permute(0, 2, 1).reshape(-1, k)[:n]
+            q, scale = cpu_kernels.pack_weight_int8(weight)
+            quantized.append(q)
+            scales.append(scale)
+            errors.append(row_error_bounds(weight, cpu_kernels.int8_rows(q, n), scale[:n]))
+        self.quantized, self.scales, self.error = torch.cat(quantized), torch.cat(scales), torch.cat(errors)
         if not torch.isfinite(self.error).all():
             raise ValueError("the LM head has non-finite weights")
 
