@@ -74,14 +74,14 @@ class ModelRunner:
         prompt_rows = [row for s in scorings for row in s.rows]
         if not sample_rows and not prompt_rows:
             return out  # only prefill chunks that end mid-prompt: K/V written, nothing to sample or score
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device)
+        rows = hidden[torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device)]
         sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device) if sampled else None
         if sampling is not None and sampling.plain_greedy and not scorings:
-            token_ids = self.model.greedy_tokens(hidden[rows])  # the argmax without the full logits, where it can
+            token_ids = self.model.greedy_tokens(rows)  # the argmax without the full logits, where it can
             if token_ids is not None:
                 out.sampled_token_ids = dict(zip((r.request_id for r in sampled), token_ids.tolist(), strict=True))
                 return out
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(rows)
 
         if sampling is not None:
             result = self.sampler(logits[: len(sampled)], sampling)
