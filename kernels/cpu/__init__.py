@@ -142,10 +142,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)``."""
-    _check(x, torch.float32, "x")
+    x = _rows(x, "x")
     m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
     if packed.shape[1] != k or packed.shape[0] * packed.shape[2] < out_features:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
@@ -183,10 +181,8 @@ def int8_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """Approximately ``x @ weight.T`` for fp32 ``x`` [M, K] and ``packed, scales = pack_weight_int8(weight)``."""
-    _check(x, torch.float32, "x")
+    x = _rows(x, "x")
     m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
     if packed.dtype != torch.int8 or packed.shape[1] * 4 != k or scales.numel() < out_features:
         raise ValueError(f"int8 weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
