@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 }
 
 #ifndef KC
-#define KC 256
+#define KC 768
 #endif
 /* Panel p of the product for rows m0..m1: every k block, every block of MR rows. */
 static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
@@ -221,11 +221,12 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
  * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
- * 24 KB) stays in L1 while every row of the block passes over it. A decode batch thus streams the weights once.
+ * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights once.
  * Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
  * does not depend on the batch, and a subset of columns packed on its own computes bit-identical values.
- * NOTE: NV = 3, MR = 4, KC = 256 measured best on the AMD EPYC development machines (~70 GFLOP/s on two cores
- * for 256 rows, as fast as OpenBLAS; 6x16 and 3x32 tiles were 5-15% slower).
+ * NOTE: NV = 3, MR = 4 measured best on the AMD EPYC development machines (6x16 as fast, 3x32 25% slower). KC = 768
+ * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 4-8% faster than
+ * KC = 256 at 8-128 rows, ~170 GFLOP/s on two cores at 64-128 rows, ~90% of their FMA peak.
  * NOTE: hp_linear and hp_linear_i8 each have their own parallel loop, so OpenMP outlines one body per weight
  * type with `quantized` a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
