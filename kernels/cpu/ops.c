@@ -329,6 +329,33 @@ static inline v8f sum_lanes8(const v8f a[8]) {
     return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
 }
 
+/* Loads positions p0..end of a chunk from their cache block into this core's caches before the arithmetic reads
+ * them, and prefetches the chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams
+ * through the caches between two layers), and from DRAM the attention read it at ~10 GB/s where the same block
+ * order streams at ~25: its few loads in flight per 8 positions left the memory idle while it computed. A plain
+ * load of every line first puts them all in flight at once. With the next block prefetched under this block's
+ * arithmetic, decode attention took 12-25% less time at 1-64 sequences (C harness streaming a layer's weights
+ * between calls, interleaved A/B); touching whole chunks, or 2-8 blocks at a time, was no better. Where the
+ * blocks are already in L2 this costs ~40% (45 -> 65 ns a position). */
+static inline void stage_block(const float *cache, const int32_t *table, int64_t block_floats, int p0, int end,
+                               int len, int block_size, int64_t row) {
+    const float *block = cache + table[p0 / block_size] * block_floats;
+    const int64_t n = (end - p0) * row;
+    float s0 = 0.0f, s1 = 0.0f; /* two chains of adds, one float per 64-byte line */
+    int64_t i = 0;
+    for (; i + 16 < n; i += 32) {
+        s0 += block[i];
+        s1 += block[i + 16];
+    }
+    if (i < n) s0 += block[i];
+    volatile float keep = s0 + s1; /* the loads stay */
+    (void)keep;
+    if (end < len) {
+        const float *next = cache + table[p0 / block_size + 1] * block_floats;
+        for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(next + i, 0, 3);
+    }
+}
+
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
  * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V.
  * The loops go block by block and, inside a block, head by head, so each cache row (all KV heads of a position,
@@ -343,6 +370,7 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     for (int p0 = 0; p0 < len; p0 += block_size) {
         const float *kb = k_cache + (int64_t)table[p0 / block_size] * block_size * row;
         int end = p0 + block_size < len ? p0 + block_size : len;
+        stage_block(k_cache, table, block_size * row, p0, end, len, block_size, row);
         for (int h = 0; h < num_kv_heads; h++) {
             const float *k = kb + h * D, *qh = q + h * group * D;
             float *sh = scores + (int64_t)h * group * split;
@@ -371,6 +399,7 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     for (int p0 = 0; p0 < len; p0 += block_size) {
         const float *vb = v_cache + (int64_t)table[p0 / block_size] * block_size * row;
         int end = p0 + block_size < len ? p0 + block_size : len;
+        stage_block(v_cache, table, block_size * row, p0, end, len, block_size, row);
         for (int hg = 0; hg < num_heads; hg++) {
             const float *sg = scores + (int64_t)hg * split, *v = vb + (hg / group) * D;
             float *o = mine + hg * (D + 2) + 2;
