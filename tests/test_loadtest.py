@@ -1,9 +1,11 @@
 """loadtest/: metric definitions on hand-made timelines, and a short real run against a test server."""
 
 import json
+import subprocess
 
 import pytest
 
+import kernels.cpu as cpu_kernels
 from loadtest.metrics import RequestRecord, parse_goodput, record_from_timeline, summarize
 from loadtest.serve import main as bench_main
 from tests.server_process import ServerProcess
@@ -101,3 +103,21 @@ def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
     assert [r.split("|")[1].strip() for r in rows] == ["decode, batch 1", "decode, batch 3", "prefill, 9 tokens"]
     family = "linear" if backend == "cpu" else "aten::"
     assert all(family in r and "other" in r for r in rows)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
+def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
+    from loadtest.kernel_ab import main as kernel_ab_main
+
+    with pytest.raises(subprocess.CalledProcessError):  # the flags reach the compiler
+        kernel_ab_main(["WORKTREE -DKC=0x", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1"])
+    kernel_ab_main(["WORKTREE", "WORKTREE -DKC=256", "--rows", "3", "--seqs", "2,5", "--context", "40",
+                    "--rounds", "2"])
+    out = capsys.readouterr().out
+    tables = [block.splitlines() for block in out.strip().split("\n\n")]
+    assert [t[0] for t in tables] == ["GEMMs of one step (30 layers and the LM head), 3 rows",
+                                      "decode attention of one step (30 layers), 2 sequences x 40 positions",
+                                      "decode attention of one step (30 layers), 5 sequences x 40 positions"]
+    for t in tables:
+        assert [row.split("|")[1].strip() for row in t[3:]] == ["WORKTREE", "WORKTREE -DKC=256"]
+        assert t[3].split("|")[4].strip() == "1.000"

@@ -57,11 +57,15 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("HARPOON_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("no C compiler found: CPU kernels disabled, using the slower torch path")
         return None

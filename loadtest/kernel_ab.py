@@ -1,0 +1,187 @@
+"""Interleaved A/B timing of the CPU kernels (``kernels/cpu``) of two or more source revisions: a decode step's GEMMs
+and its decode attention, at SmolLM2-135M's shapes.
+
+The small cloud instances this runs on drift by tens of percent within minutes, so a change worth 5% only shows
+when the variants run alternately, round by round, and are compared by their medians. The attention reads a pool
+through random block tables, and a layer's worth of weights streams through the caches between two layers' calls,
+as in a real step, so its blocks come from DRAM.
+
+    python -m loadtest.kernel_ab HEAD~1 HEAD                       # a commit against its parent
+    python -m loadtest.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
+    python -m loadtest.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
+
+A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, find_compiler
+
+_ROOT = Path(__file__).resolve().parent.parent
+_c_float, _c_int, _c_i64, _ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """SmolLM2-135M: per layer fused q/k/v, o, fused gate/up and down projections; then the tied LM head."""
+
+    hidden: int = 576
+    intermediate: int = 1536
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    vocab: int = 49152
+    layers: int = 30
+    block_size: int = 16
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(N, K) of each linear layer of one decoder layer."""
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return [(qkv, self.hidden), (self.hidden, self.heads * self.head_dim),
+                (2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+
+
+def build(variant: str, out_dir: Path) -> ctypes.CDLL:
+    rev, _, flags = variant.partition(" ")
+    src = out_dir / f"src{len(list(out_dir.iterdir()))}"
+    src.mkdir()
+    for path in (*_SOURCES, *_HEADERS):
+        rel = path.relative_to(_ROOT).as_posix()
+        text = path.read_text() if rev == "WORKTREE" else subprocess.run(
+            ["git", "show", f"{rev}:{rel}"], cwd=_ROOT, check=True, capture_output=True, text=True).stdout
+        (src / path.name).write_text(text)
+    lib = src / "ops.so"
+    sources = [str(src / p.name) for p in _SOURCES]
+    subprocess.run([find_compiler() or "cc", *_FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.hp_panel_width.restype = _c_int
+    dll.hp_pack_weight.argtypes = [_ptr, _ptr, _c_int, _c_int]
+    dll.hp_linear.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
+    dll.hp_paged_decode_attention.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int,
+                                              _c_int, _c_int, _c_int, _c_int, _c_float]
+    return dll
+
+
+def packed(dll: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    width = dll.hp_panel_width()
+    out = torch.empty((n + width - 1) // width * width * k)
+    dll.hp_pack_weight(w.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def gemm_round(dll: ctypes.CDLL, weights: list[tuple[torch.Tensor, int, int, int]], x: torch.Tensor,
+               y: torch.Tensor, rows: int) -> float:
+    start = time.perf_counter()
+    for w, n, k, repeat in weights:
+        for _ in range(repeat):
+            dll.hp_linear(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k)
+    return time.perf_counter() - start
+
+
+@dataclass
+class Pool:
+    """Per layer its own K and V pool; every sequence `context` positions long, its blocks drawn at random."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    stream: torch.Tensor  # a layer's weights, read between two layers' calls
+
+    @classmethod
+    def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator) -> Pool:
+        per_seq = -(-context // s.block_size)
+        blocks = seqs * per_seq
+        shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
+        k = [torch.randn(shape, generator=gen) for _ in range(s.layers)]
+        v = [torch.randn(shape, generator=gen) for _ in range(s.layers)]
+        tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(seqs, per_seq)
+        q = torch.randn(seqs, s.heads * s.head_dim, generator=gen)
+        layer_floats = sum(n * k for n, k in s.linears())
+        return cls(k, v, tables, torch.full((seqs,), context, dtype=torch.int32), q, torch.empty_like(q),
+                   torch.ones(layer_floats))
+
+    def attention_round(self, dll: ctypes.CDLL, s: Shapes) -> float:
+        spent = 0.0
+        seqs, width = self.q.shape
+        for layer in range(s.layers):
+            self.stream.sum()
+            start = time.perf_counter()
+            dll.hp_paged_decode_attention(
+                self.q.data_ptr(), width, self.k[layer].data_ptr(), self.v[layer].data_ptr(), self.tables.data_ptr(),
+                self.tables.shape[1], self.seq_lens.data_ptr(), self.out.data_ptr(), width, seqs, s.heads,
+                s.kv_heads, s.head_dim, s.block_size, s.head_dim**-0.5)
+            spent += time.perf_counter() - start
+        return spent
+
+
+def interleave(runs: list[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """Seconds of each variant's run, round by round, the variants alternating."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for t, run in zip(times, runs, strict=True):
+            t.append(run())
+    return times
+
+
+def report(title: str, variants: list[str], times: list[list[float]], flop: float | None = None) -> None:
+    base = statistics.median(times[0])
+    print(f"\n{title}")
+    print("| variant | median ms | min ms | vs first |" + (" GFLOP/s |" if flop else ""))
+    print("|---|---|---|---|" + ("---|" if flop else ""))
+    for v, t in zip(variants, times, strict=True):
+        med = statistics.median(t)
+        rate = f" {flop / med / 1e9:.0f} |" if flop else ""
+        print(f"| {v} | {med * 1e3:.2f} | {min(t) * 1e3:.2f} | {med / base:.3f} |{rate}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("variants", nargs="+", help='git revision or WORKTREE, then any compiler flags: "HEAD -DKC=256"')
+    p.add_argument("--rows", default="1,8,64,256", help="GEMM rows (tokens in the step)")
+    p.add_argument("--seqs", default="1,4,16,64", help="decode sequences for the attention")
+    p.add_argument("--context", default="192,1024", help="context lengths for the attention")
+    p.add_argument("--rounds", type=int, default=11)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    s, gen = Shapes(), torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dlls = [build(v, Path(tmp)) for v in args.variants]
+        linears = [(torch.randn(n, k, generator=gen) * k**-0.5, n, k, s.layers) for n, k in s.linears()]
+        linears.append((torch.randn(s.vocab, s.hidden, generator=gen) * s.hidden**-0.5, s.vocab, s.hidden, 1))
+        packs = [[(packed(d, w), n, k, r) for w, n, k, r in linears] for d in dlls]
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
+            y = torch.empty(rows, s.vocab)
+            flop = sum(2.0 * rows * n * k * r for _, n, k, r in linears)
+            runs = [partial(gemm_round, d, pk, x, y, rows) for d, pk in zip(dlls, packs, strict=True)]
+            times = interleave(runs, args.rounds)
+            report(f"GEMMs of one step ({s.layers} layers and the LM head), {rows} rows", args.variants, times, flop)
+        for context in map(int, args.context.split(",")):
+            for seqs in map(int, args.seqs.split(",")):
+                pool = Pool.make(s, seqs, context, gen)
+                times = interleave([partial(pool.attention_round, d, s) for d in dlls], args.rounds)
+                report(f"decode attention of one step ({s.layers} layers), {seqs} sequences x {context} positions",
+                       args.variants, times)
+                del pool
+
+
+if __name__ == "__main__":
+    main()
