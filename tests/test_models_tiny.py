@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import TritonAttention
+from engine.models import llama
 from tests.conftest import TINY_CONFIGS, hf_greedy
 
 
@@ -52,10 +53,11 @@ def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_arg
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
-def test_cpu_decode_step_is_bit_identical_to_the_module_path(kind, tiny_model):
+def test_cpu_decode_step_is_bit_identical_to_the_module_path(kind, tiny_model, monkeypatch):
     """Decode steps run every layer in one C call (``model.cpu_decoder``); with it switched off, the same requests
-    through the per-module path give the very same logprobs, bit for bit. The prompts (over 64 tokens) are
-    prefilled by the modules in both runs."""
+    through the per-module path give the very same logprobs, bit for bit. The prompts (over 64 tokens, with the
+    context limit for long chunks at 0) are prefilled by the modules in both runs."""
+    monkeypatch.setattr(llama, "CPU_DECODER_MAX_PREFILL_CONTEXT", 0)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (65, 70, 100)]
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=4)
@@ -74,6 +76,26 @@ def test_cpu_decoder_prefill_chunks_match_the_module_path(kind, tiny_model):
     (fast, slow), query_lens = _generate_with_and_without_cpu_decoder(
         tiny_model(kind), prompts, params, max_num_batched_tokens=16)
     assert 16 in query_lens, "mixed steps (decodes + prefill chunks) went through the decoder"
+    _assert_same_tokens_close_logprobs(fast, slow)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_cpu_decoder_takes_long_chunks_within_the_context_limit(kind, tiny_model, monkeypatch):
+    """Prefill chunks over 64 tokens take the C decoder while their context stays within
+    ``CPU_DECODER_MAX_PREFILL_CONTEXT`` (80 here), the modules past it; either way tokens equal the modules' and
+    logprobs agree to rounding."""
+    monkeypatch.setattr(llama, "CPU_DECODER_MAX_PREFILL_CONTEXT", 80)
+    rng = random.Random(4)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=4)
+    for n, through_decoder in ((70, True), (80, True), (81, False)):
+        prompt = [rng.randrange(3, 512) for _ in range(n)]
+        (fast, slow), query_lens = _generate_with_and_without_cpu_decoder(tiny_model(kind), [prompt], params)
+        assert (n in query_lens) is through_decoder
+        assert query_lens.count(1) == 7, "the decodes took the decoder either way"
+        _assert_same_tokens_close_logprobs(fast, slow)
+
+
+def _assert_same_tokens_close_logprobs(fast, slow):
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(fast, slow, strict=True):
         assert ids == ref_ids
         for position, ref in zip(logprobs, ref_logprobs, strict=True):

@@ -4,7 +4,8 @@
  * checks and an output allocation (~4-5 ms a step at batch 1 for SmolLM2's 30 layers, a tenth of the step), and
  * the OpenMP threads fall asleep in the gaps. Here the same kernels run back to back, in the same order and with
  * the same arithmetic as the per-module path (engine/models/llama.py), so both give bit-identical hidden states.
- * Steps holding a prefill chunk keep the module path (their attention is torch's). */
+ * Prompt tokens ride along as decode queries over their prefix; the model sends long chunks deep into a prompt to
+ * the module path instead (engine/models/llama.py says when). */
 #include <stddef.h>
 
 #include "ops.h"

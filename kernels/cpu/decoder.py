@@ -1,8 +1,9 @@
 """A Llama-family decoder stack run for a batch of decode tokens in one C call (``decoder.c``).
 
-The model builds a ``Decoder`` once its weights are packed. Steps in which every request decodes one token go
-through it; steps with a prefill chunk go through the model's modules. Both run the same kernels in the same order,
-so their hidden states are bit-identical (tested); this path only drops the per-kernel Python calls.
+The model builds a ``Decoder`` once its weights are packed. Decode steps go through it, and so do prefill chunks
+that are short or not deep into their prompt (``engine/models/llama.py``), each prompt token attending as a decode
+query over its prefix; the rest go through the model's modules. For decodes both run the same kernels in the same
+order, so their hidden states are bit-identical (tested); this path only drops the per-kernel Python calls.
 """
 
 from __future__ import annotations
