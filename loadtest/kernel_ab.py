@@ -2,9 +2,10 @@
 and its decode attention, at SmolLM2-135M's shapes.
 
 The small cloud instances this runs on drift by tens of percent within minutes, so a change worth 5% only shows
-when the variants run alternately, round by round, and are compared by their medians. The attention reads a pool
-through random block tables, and a layer's worth of weights streams through the caches between two layers' calls,
-as in a real step, so its blocks come from DRAM.
+when the variants run alternately, round by round, and are compared by their medians. As in a real step, every
+layer has its own weights, which therefore stream from DRAM; the attention reads a pool through random block
+tables, and a layer's worth of weights streams through the caches between two layers' calls, so its blocks come
+from DRAM too.
 
     python -m loadtest.kernel_ab HEAD~1 HEAD                       # a commit against its parent
     python -m loadtest.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
@@ -83,12 +84,11 @@ def packed(dll: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gemm_round(dll: ctypes.CDLL, weights: list[tuple[torch.Tensor, int, int, int]], x: torch.Tensor,
-               y: torch.Tensor, rows: int) -> float:
+def gemm_round(dll: ctypes.CDLL, weights: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, y: torch.Tensor,
+               rows: int) -> float:
     start = time.perf_counter()
-    for w, n, k, repeat in weights:
-        for _ in range(repeat):
-            dll.hp_linear(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k)
+    for w, n, k in weights:
+        dll.hp_linear(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k)
     return time.perf_counter() - start
 
 
@@ -164,13 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     s, gen = Shapes(), torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
-        linears = [(torch.randn(n, k, generator=gen) * k**-0.5, n, k, s.layers) for n, k in s.linears()]
-        linears.append((torch.randn(s.vocab, s.hidden, generator=gen) * s.hidden**-0.5, s.vocab, s.hidden, 1))
-        packs = [[(packed(d, w), n, k, r) for w, n, k, r in linears] for d in dlls]
+        shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
+        packs: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
+        for n, k in shapes:  # every layer its own weights: a step streams them from DRAM, as a real one does
+            w = torch.randn(n, k, generator=gen) * k**-0.5
+            for d, pk in zip(dlls, packs, strict=True):
+                pk.append((packed(d, w), n, k))
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
             y = torch.empty(rows, s.vocab)
-            flop = sum(2.0 * rows * n * k * r for _, n, k, r in linears)
+            flop = sum(2.0 * rows * n * k for n, k in shapes)
             runs = [partial(gemm_round, d, pk, x, y, rows) for d, pk in zip(dlls, packs, strict=True)]
             times = interleave(runs, args.rounds)
             report(f"GEMMs of one step ({s.layers} layers and the LM head), {rows} rows", args.variants, times, flop)
