@@ -8,7 +8,9 @@ preparation and sampling.
 
 On the cpu backend a decode-only step runs every layer in one C call (``model.cpu_decoder``), which the timers
 cannot see into; its families are therefore measured over as many further steps through the per-module path
-(the same kernels, one Python call each), whose own step time is printed beside them.
+(the same kernels, one Python call each), whose own step time is printed beside them. A last table times, per
+batch, a step that also carries a fresh prompt's first chunk, through that one C call and through the modules
+(which run it with torch's SDPA), alternating.
 
     python -m loadtest.step_profile                              # the default (cpu) path
     python -m loadtest.step_profile --attention-backend torch    # the plain-torch path, for comparison
@@ -26,6 +28,7 @@ from engine import LLM, SamplingParams  # before torch: it sets the OpenMP polic
 import torch
 
 # isort: on
+from engine.models import llama
 from engine.models.greedy_head import MAX_ROWS
 from kernels import cpu as cpu_kernels
 
@@ -87,6 +90,29 @@ def _head_ab(llm: LLM, steps: int) -> tuple[float, float]:
     return sum(times[0]) / steps, sum(times[1]) / steps
 
 
+def _mixed_ab(llm: LLM, prompt_len: int, rounds: int, seed: int) -> tuple[int, float, float]:
+    """A step of the running batch's decodes plus a fresh prompt, through the one-call C decoder and through the
+    modules (``CPU_DECODER_MAX_PREFILL_CONTEXT`` 0), alternating: (prompt tokens in the step, mean seconds each)."""
+    engine, vocab = llm.engine, llm.engine.vocab_size
+    limit, times, chunk = llama.CPU_DECODER_MAX_PREFILL_CONTEXT, ([], []), 0
+    one = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        for i in range(2 * rounds):
+            llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit if i % 2 == 0 else 0
+            rid = f"mixed-{seed}-{i}"  # a prompt of its own, so no prefix-cache hit shortens it
+            engine.add_request(rid, [(5000 + 7919 * seed + 11 * i + 17 * j) % vocab for j in range(prompt_len)], one)
+            start = time.perf_counter()
+            engine.step()
+            times[i % 2].append(time.perf_counter() - start)
+            request = engine.scheduler.requests.get(rid)  # gone once its whole prompt ran (max_tokens 1)
+            chunk = prompt_len if request is None else request.num_computed_tokens
+            while rid in engine.scheduler.requests:
+                engine.step()
+    finally:
+        llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit
+    return chunk, sum(times[0]) / rounds, sum(times[1]) / rounds
+
+
 def _row(label: str, step_s: float, totals: dict[str, float], steps: int, top: int, split_s: float) -> str:
     """``split_s``: seconds per step of the pass ``totals`` come from."""
     parts = sorted(((k, v / steps * 1000) for k, v in totals.items()), key=lambda kv: -kv[1])[:top]
@@ -118,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     # Long enough to outlast the prefill of the whole batch; aborted once measured.
     greedy = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     vocab = engine.vocab_size
-    head_rows = []
+    head_rows, mixed_rows = [], []
     for n, batch in enumerate(int(b) for b in args.batches.split(",")):
         for i in range(batch):
             ids = [(1000 + n * 7919 + i * 104729 + j * 31) % vocab for j in range(args.prompt_len)]
@@ -133,22 +159,40 @@ def main(argv: list[str] | None = None) -> None:
         if engine.model.greedy_head is not None and batch <= MAX_ROWS:
             screened, full = _head_ab(llm, args.steps)
             head_rows.append(f"| {batch} | {screened * 1000:.1f} | {full * 1000:.1f} |")
+        if engine.model.cpu_decoder is not None:
+            chunk, one_call, modules = _mixed_ab(llm, args.prompt_len, max(1, args.steps // 2), batch)
+            mixed_rows.append(f"| {batch} decodes + {chunk} prompt tokens | {one_call * 1000:.1f} | "
+                              f"{modules * 1000:.1f} |")
         engine.abort_requests([f"b{batch}-{i}" for i in range(batch)])
     one = SamplingParams(temperature=0, max_tokens=1)
     engine.add_request("prefill-0", [(2000 + j) % vocab for j in range(args.prompt_len)], one)
     totals.clear()
     start = time.perf_counter()
     engine.step()
-    step_s = time.perf_counter() - start
-    if use_profiler:  # the profiled pass gets its own prompt, as the timed step used the first
-        engine.add_request("prefill-1", [(3000 + 7 * j) % vocab for j in range(args.prompt_len)], one)
+    step_s = split_s = time.perf_counter() - start
+    # the families come from a second prompt of their own: through the profiler, or through the modules where the
+    # timed step ran in one C call (prompts within CPU_DECODER_MAX_PREFILL_CONTEXT)
+    engine.add_request("prefill-1", [(3000 + 7 * j) % vocab for j in range(args.prompt_len)], one)
+    if use_profiler:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.step()
         for event in prof.key_averages():
             totals[event.key] += event.self_cpu_time_total / 1e6
-    print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top, step_s))
+    else:
+        decoder, engine.model.cpu_decoder = engine.model.cpu_decoder, None
+        totals.clear()
+        start = time.perf_counter()
+        engine.step()
+        split_s = time.perf_counter() - start
+        engine.model.cpu_decoder = decoder
+    print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top, split_s))
     while engine.has_unfinished_requests():
         engine.step()
+    if mixed_rows:
+        print("\nA step of the running decodes plus a fresh prompt's first chunk, through the one-call C decoder or"
+              " the modules, alternating (ms per step):\n")
+        print("| step | C decoder | modules |\n|---|---|---|")
+        print("\n".join(mixed_rows))
     if head_rows:
         print("\nGreedy tokens from the screened LM head or the full one, alternating step by step (ms per step):\n")
         print("| batch | screened head | full head |\n|---|---|---|")

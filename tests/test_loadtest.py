@@ -98,11 +98,14 @@ def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
 
     profile_main(["--model", str(tiny_model("llama-gqa-tied")), "--attention-backend", backend, "--batches", "1,3",
                   "--steps", "2", "--prompt-len", "9"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode") or
-            line.startswith("| prefill")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
     assert [r.split("|")[1].strip() for r in rows] == ["decode, batch 1", "decode, batch 3", "prefill, 9 tokens"]
     family = "linear" if backend == "cpu" else "aten::"
     assert all(family in r and "other" in r for r in rows)
+    mixed = [line.split("|")[1].strip() for line in out.splitlines() if " decodes + " in line]
+    # 3 prompt tokens per decode, at least a block (16): the 9-token prompt runs whole beside either batch
+    assert mixed == (["1 decodes + 9 prompt tokens", "3 decodes + 9 prompt tokens"] if backend == "cpu" else [])
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")

@@ -225,9 +225,9 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
  * Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
  * does not depend on the batch, and a subset of columns packed on its own computes bit-identical values.
  * NOTE: NV = 3, MR = 4 measured best on the AMD EPYC development machines (6x16 as fast, 3x32 25% slower). KC = 768
- * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 3-7% faster than
- * KC = 256 at 16-256 rows (python -m loadtest.kernel_ab), 160-170 GFLOP/s on two cores at 64-128 rows, ~90% of
- * their FMA peak.
+ * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 5-6% faster than
+ * KC = 256 at 16 and 64 rows, the same at 1 and 256 (python -m loadtest.kernel_ab); 160 GFLOP/s on two cores from
+ * 64 rows on, ~90% of their FMA peak.
  * NOTE: hp_linear and hp_linear_i8 each have their own parallel loop, so OpenMP outlines one body per weight
  * type with `quantized` a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
