@@ -221,7 +221,8 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
  * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
- * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights once.
+ * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights
+ * once.
  * Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
  * does not depend on the batch, and a subset of columns packed on its own computes bit-identical values.
  * NOTE: NV = 3, MR = 4 measured best on the AMD EPYC development machines (6x16 as fast, 3x32 25% slower). KC = 768
@@ -335,21 +336,16 @@ static inline v8f sum_lanes8(const v8f a[8]) {
  * through the caches between two layers), and from DRAM the attention read it at ~10 GB/s where the same block
  * order streams at ~25: its few loads in flight per 8 positions left the memory idle while it computed. A plain
  * load of every line first puts them all in flight at once. With the next block prefetched under this block's
- * arithmetic, decode attention took 12-25% less time at 1-64 sequences (C harness streaming a layer's weights
- * between calls, interleaved A/B); touching whole chunks, or 2-8 blocks at a time, was no better. Where the
- * blocks are already in L2 this costs ~40% (45 -> 65 ns a position). */
+ * arithmetic, decode attention took 22-26% less time at 1-64 sequences of 192-1024 positions (python -m
+ * loadtest.kernel_ab); touching whole chunks, or 2-8 blocks at a time, was no better. Where the blocks are already
+ * in L2 this costs ~40% (45 -> 65 ns a position). */
 static inline void stage_block(const float *cache, const int32_t *table, int64_t block_floats, int p0, int end,
                                int len, int block_size, int64_t row) {
-    const float *block = cache + table[p0 / block_size] * block_floats;
-    const int64_t n = (end - p0) * row;
-    float s0 = 0.0f, s1 = 0.0f; /* two chains of adds, one float per 64-byte line */
-    int64_t i = 0;
-    for (; i + 16 < n; i += 32) {
-        s0 += block[i];
-        s1 += block[i + 16];
-    }
-    if (i < n) s0 += block[i];
-    volatile float keep = s0 + s1; /* the loads stay */
+    typedef uint32_t word __attribute__((may_alias));
+    const word *block = (const word *)(cache + table[p0 / block_size] * block_floats);
+    word sink = 0; /* integer loads, one per 64-byte line: no floating-point assist, whatever the pool holds */
+    for (int64_t i = 0; i < (end - p0) * row; i += 16) sink |= block[i];
+    volatile word keep = sink; /* the loads stay */
     (void)keep;
     if (end < len) {
         const float *next = cache + table[p0 / block_size + 1] * block_floats;
