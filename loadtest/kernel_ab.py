@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, find_compiler
+from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, declare, find_compiler
 
 _ROOT = Path(__file__).resolve().parent.parent
-_c_float, _c_int, _c_i64, _ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,7 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     lib = src / "ops.so"
     sources = [str(src / p.name) for p in _SOURCES]
     subprocess.run([find_compiler() or "cc", *_FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
-    dll = ctypes.CDLL(str(lib))
-    dll.hp_panel_width.restype = _c_int
-    dll.hp_pack_weight.argtypes = [_ptr, _ptr, _c_int, _c_int]
-    dll.hp_linear.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
-    dll.hp_paged_decode_attention.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int,
-                                              _c_int, _c_int, _c_int, _c_int, _c_float]
-    return dll
+    return declare(ctypes.CDLL(str(lib)))
 
 
 def packed(dll: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:

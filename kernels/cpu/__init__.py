@@ -61,6 +61,30 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+_SIGNATURES = {  # argument types of the kernels ops.c exports; none returns a value
+    "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
+    "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
+    "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
+                                  _c_int, _c_int, _c_int, _c_float],
+    "hp_rms_norm": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_float],
+    "hp_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_float],
+    "hp_rotary": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
+    "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
+    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int],
+}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Sets the signatures of the kernels a build of ops.c exports (an older revision's build may lack some)."""
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("HARPOON_CPU_KERNELS", "1") == "0":
@@ -75,46 +99,7 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("building the CPU kernels failed, using the slower torch path: %s %s", e, detail.decode()[-500:])
         return None
-    lib.hp_pack_weight.argtypes = [_ptr, _ptr, _c_int, _c_int]
-    lib.hp_linear.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
-    lib.hp_linear_i8.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int]
-    lib.hp_screened_argmax.argtypes = [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr]
-    lib.hp_paged_decode_attention.argtypes = [
-        _ptr,
-        _c_i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _c_i64,
-        _ptr,
-        _ptr,
-        _c_i64,
-        _c_int,
-        _c_int,
-        _c_int,
-        _c_int,
-        _c_int,
-        _c_float,
-    ]
-    lib.hp_rms_norm.argtypes = [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_float]
-    lib.hp_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_float]
-    lib.hp_rotary.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int]
-    lib.hp_silu_mul.argtypes = [_ptr, _ptr, _c_int, _c_int]
-    lib.hp_store_kv.argtypes = [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int]
-    for fn in (
-        lib.hp_pack_weight,
-        lib.hp_linear,
-        lib.hp_linear_i8,
-        lib.hp_screened_argmax,
-        lib.hp_paged_decode_attention,
-        lib.hp_rms_norm,
-        lib.hp_add_rms_norm,
-        lib.hp_rotary,
-        lib.hp_silu_mul,
-        lib.hp_store_kv,
-    ):
-        fn.restype = None
-    return lib
+    return declare(lib)
 
 
 def available() -> bool:
