@@ -222,8 +222,7 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
  * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
  * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights
- * once.
- * Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
+ * once. Every output is the same sequence of FMAs whatever M and whichever panel holds its column, so a row's result
  * does not depend on the batch, and a subset of columns packed on its own computes bit-identical values.
  * NOTE: NV = 3, MR = 4 measured best on the AMD EPYC development machines (6x16 as fast, 3x32 25% slower). KC = 768
  * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 5-6% faster than
@@ -331,26 +330,28 @@ static inline v8f sum_lanes8(const v8f a[8]) {
     return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
 }
 
-/* Loads positions p0..end of a chunk from their cache block into this core's caches before the arithmetic reads
- * them, and prefetches the chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams
+/* The cache block holding positions p0..end of a chunk, whose lines it first loads into this core's caches,
+ * prefetching the chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams
  * through the caches between two layers), and from DRAM the attention read it at ~10 GB/s where the same block
  * order streams at ~25: its few loads in flight per 8 positions left the memory idle while it computed. A plain
  * load of every line first puts them all in flight at once. With the next block prefetched under this block's
  * arithmetic, decode attention took 22-26% less time at 1-64 sequences of 192-1024 positions (python -m
  * loadtest.kernel_ab); touching whole chunks, or 2-8 blocks at a time, was no better. Where the blocks are already
  * in L2 this costs ~40% (45 -> 65 ns a position). */
-static inline void stage_block(const float *cache, const int32_t *table, int64_t block_floats, int p0, int end,
-                               int len, int block_size, int64_t row) {
+static inline const float *stage_block(const float *cache, const int32_t *table, int p0, int end, int len,
+                                       int block_size, int64_t row) {
     typedef uint32_t word __attribute__((may_alias));
-    const word *block = (const word *)(cache + table[p0 / block_size] * block_floats);
+    const int64_t block_floats = block_size * row;
+    const float *block = cache + table[p0 / block_size] * block_floats;
     word sink = 0; /* integer loads, one per 64-byte line: no floating-point assist, whatever the pool holds */
-    for (int64_t i = 0; i < (end - p0) * row; i += 16) sink |= block[i];
+    for (int64_t i = 0; i < (end - p0) * row; i += 16) sink |= ((const word *)block)[i];
     volatile word keep = sink; /* the loads stay */
     (void)keep;
     if (end < len) {
         const float *next = cache + table[p0 / block_size + 1] * block_floats;
         for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(next + i, 0, 3);
     }
+    return block;
 }
 
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
@@ -365,9 +366,8 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     float *mine) {
     const int num_heads = num_kv_heads * group;
     for (int p0 = 0; p0 < len; p0 += block_size) {
-        const float *kb = k_cache + (int64_t)table[p0 / block_size] * block_size * row;
         int end = p0 + block_size < len ? p0 + block_size : len;
-        stage_block(k_cache, table, block_size * row, p0, end, len, block_size, row);
+        const float *kb = stage_block(k_cache, table, p0, end, len, block_size, row);
         for (int h = 0; h < num_kv_heads; h++) {
             const float *k = kb + h * D, *qh = q + h * group * D;
             float *sh = scores + (int64_t)h * group * split;
@@ -394,9 +394,8 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
         memset(stats + 2, 0, sizeof(float) * D);
     }
     for (int p0 = 0; p0 < len; p0 += block_size) {
-        const float *vb = v_cache + (int64_t)table[p0 / block_size] * block_size * row;
         int end = p0 + block_size < len ? p0 + block_size : len;
-        stage_block(v_cache, table, block_size * row, p0, end, len, block_size, row);
+        const float *vb = stage_block(v_cache, table, p0, end, len, block_size, row);
         for (int hg = 0; hg < num_heads; hg++) {
             const float *sg = scores + (int64_t)hg * split, *v = vb + (hg / group) * D;
             float *o = mine + hg * (D + 2) + 2;
