@@ -11,6 +11,7 @@ own chunk causally.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping.to(device), query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device), block_tables=self.block_tables.to(device),
+        )
 
 
 class TorchAttention:

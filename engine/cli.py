@@ -68,7 +68,7 @@ _HELP = {
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for field in dataclasses.fields(EngineConfig):
-        if field.name in ("model", "enable_prefix_caching"):
+        if field.name in ("model", "enable_prefix_caching", "enforce_eager"):
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = parse_memory if field.name == "kv_cache_memory" else (
@@ -80,6 +80,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
         help="do not share cached prompt blocks between requests",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        dest="enforce_eager",
+        action="store_true",
+        default=None,
+        help="on CUDA, run every step eagerly instead of replaying CUDA graphs (no capture at start-up)",
     )
 
 

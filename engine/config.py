@@ -53,6 +53,8 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    # On CUDA, steps of up to engine.cuda_graphs.MAX_NUM_TOKENS tokens replay captured graphs unless this is set.
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
 

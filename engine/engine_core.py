@@ -21,6 +21,8 @@ from engine.config import (
     EngineConfig,
     cpu_token_budget,
 )
+from engine.cuda_graphs import MAX_NUM_TOKENS as CUDA_GRAPH_MAX_NUM_TOKENS
+from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
 from engine.limits import EngineLimits
 from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
@@ -102,7 +104,11 @@ class EngineCore:
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.resolve_prefill_tokens_per_decode(self.device))
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
+        graphs = None
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            graphs = CudaGraphs(self.model, self.kv_cache, min(CUDA_GRAPH_MAX_NUM_TOKENS, self.max_num_batched_tokens),
+                                config.max_num_seqs, self.max_model_len, self.device)
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, graphs)
         if config.max_num_batched_tokens is None and self.device.type == "cpu":
             self._size_token_budget()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import Logprob, PositionLogprobs
@@ -36,13 +37,15 @@ class _PromptScoring:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, vocab_size: int,
+                 graphs: CudaGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
+        self.graphs = graphs  # replays the steps that fit; the others run eagerly
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -65,11 +68,14 @@ class ModelRunner:
                 scorings.append(scoring)
             qsl.append(qsl[-1] + end - start)
             seq_lens.append(end)
-        meta = self._attention_metadata(requests, sched, positions, qsl, seq_lens)
-
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
+        meta = self._attention_metadata(requests, sched, positions, qsl, seq_lens)  # on the host
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        if self.graphs is not None and self.graphs.fits(meta):
+            hidden = self.graphs.run(ids, pos, meta)
+        else:
+            dev = self.device
+            hidden = self.model(ids.to(dev), pos.to(dev), self.kv_cache.layers, meta.to(dev))  # [num_tokens, hidden]
         out = ModelRunnerOutput()
         prompt_rows = [row for s in scorings for row in s.rows]
         if not sample_rows and not prompt_rows:
@@ -130,12 +136,11 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(len(requests)), query_lens)
         slots = block_tables[req_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
         num_decodes = sum(1 for i in range(len(requests)) if qsl[i + 1] - qsl[i] == 1)
-        dev = self.device
         return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=slots,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
             num_decodes=num_decodes,
             max_query_len=int(query_lens.max()),
             max_seq_len=max(seq_lens),

@@ -39,10 +39,13 @@ def hf_greedy_with_top_k(model, prompt_ids: list[int], max_new_tokens: int) -> t
 def test_float32_greedy_equals_transformers_with_staggered_arrivals(smollm2_path, prompt_ids):
     hf = hf_on_gpu(smollm2_path, torch.float32)
     expected = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
-    engine = engine_with(device="cuda", dtype="float32")
-    assert engine.attention_backend == "triton"
-    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
-    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+    for eager in (False, True):
+        engine = engine_with(device="cuda", dtype="float32", enforce_eager=eager)
+        assert engine.attention_backend == "triton"
+        tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+        assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+        graphs = engine.model_runner.graphs
+        assert (graphs is None) if eager else graphs.num_replays > 0
 
 
 def test_bfloat16_greedy_agrees_with_transformers_until_a_near_tie(smollm2_path, prompt_ids):
@@ -67,15 +70,17 @@ def test_bfloat16_greedy_agrees_with_transformers_until_a_near_tie(smollm2_path,
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
-def test_tiny_models_float32_greedy_equals_transformers(kind, tiny_model):
+def test_tiny_models_float32_greedy_equals_transformers(kind, eager, tiny_model):
     folder = tiny_model(kind)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 17, 40)]
     hf = hf_on_gpu(folder, torch.float32)
     expected = [hf_greedy(hf, p, 24) for p in prompts]
     # A 16-token budget: multi-block tables and chunked prefill for the longer prompts.
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_num_batched_tokens=16, kv_cache_memory=4 << 20,
+              enforce_eager=eager)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.attention_backend == "triton"
@@ -84,3 +89,23 @@ def test_tiny_models_float32_greedy_equals_transformers(kind, tiny_model):
 def test_pages_under_16_tokens_are_refused_on_a_gpu(tiny_model):
     with pytest.raises(ValueError, match="block_size and head_dim >= 16"):
         LLM(str(tiny_model("qwen3-qknorm")), device="cuda", block_size=8, kv_cache_memory=4 << 20)
+
+
+def test_graph_replays_equal_eager_steps_in_bfloat16(tiny_model):
+    """A graph replays the very kernels of an eager step over the same padded bucket, so the hidden states of a
+    captured step equal those of the same forward run eagerly, bit for bit, for every bucket size."""
+    llm = LLM(str(tiny_model("llama-gqa-tied")), device="cuda", dtype="bfloat16", kv_cache_memory=64 << 20)
+    graphs, runner = llm.engine.model_runner.graphs, llm.engine.model_runner
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(40)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))  # fills the pool with K/V to attend
+    rng = torch.Generator().manual_seed(0)
+    for size in graphs.sizes[:12]:
+        graphs.tokens[0, :size] = torch.randint(3, 500, (size,), generator=rng).cuda()
+        graphs.tokens[1, :size] = torch.randint(0, 40, (size,), generator=rng).cuda()
+        graphs.tokens[2, :size] = -1  # store nothing: both runs must attend the same pool
+        graphs.tokens[3, :size] = torch.randint(0, 8, (size,), generator=rng).cuda()
+        graphs.block_tables[:8, :4] = torch.randint(0, runner.kv_cache.num_blocks, (8, 4), generator=rng).cuda()
+        graphs.graphs[size].replay()
+        with torch.inference_mode():
+            eager = graphs._forward(size)
+        assert torch.equal(graphs.outputs[size], eager), size

@@ -117,3 +117,39 @@ def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert isinstance(llm.engine.model.layers[0].self_attn.attn, TritonAttention)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_cuda_graph_steps_match_transformers(kind, tiny_model, monkeypatch):
+    """The graph path (static buffers, padding to a bucket, a decode query per token), run eagerly here where there
+    is no GPU to capture on, gives transformers' greedy tokens beside steps that do not fit and run the usual way."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import cuda_graphs
+
+    folder = tiny_model(kind)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 23)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    engine = llm.engine
+    assert engine.model_runner.graphs is None  # nothing to capture on a CPU
+    # Buckets 1, 2, 4, 8, 12: the 16-token steps do not fit, nor do prompt chunks past 20 positions.
+    graphs = cuda_graphs.CudaGraphs(engine.model, engine.kv_cache, 12, 8, engine.max_model_len, engine.device)
+    monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_CONTEXT", 20)
+    fits, decide = [], graphs.fits
+    monkeypatch.setattr(graphs, "fits", lambda meta: fits.append(decide(meta)) or fits[-1])
+    engine.model_runner.graphs = graphs
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert graphs.sizes == [1, 2, 4, 8, 12]
+    assert graphs.num_replays == sum(fits) > 0 and not all(fits)
+
+
+def test_cuda_graph_buckets():
+    from engine.cuda_graphs import bucket_sizes
+
+    assert bucket_sizes(512)[:13] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160]
+    assert bucket_sizes(512)[-3:] == [384, 448, 512]
+    assert bucket_sizes(100)[-2:] == [96, 100] and bucket_sizes(1) == [1]
