@@ -88,6 +88,8 @@ class EngineCore:
         self.model = model.to(self.dtype).eval()
         if self.attention_backend == "cpu":
             self.model.use_cpu_kernels()
+        elif self.attention_backend == "triton":
+            self.model.use_triton_ops()
         logger.info(
             "loaded %s (%s, %s, %s attention backend) in %.1f s",
             self.model_name,

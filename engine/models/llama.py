@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def variant_for(config: PretrainedConfig) -> DecoderVariant:
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add before it (``norm(x, residual)`` adds x into residual)."""
 
-    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+    ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -68,9 +69,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps) if self.fused else self._norm(x)
-        if self.fused:
-            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+            return self.ops.rms_norm(x, self.weight, self.eps) if self.ops else self._norm(x)
+        if self.ops:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self._norm(residual), residual
 
@@ -118,7 +119,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+    ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
@@ -130,8 +131,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused:
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        if self.ops:
+            return self.down_proj(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -248,6 +249,18 @@ class LlamaForCausalLM(nn.Module):
         kernels' screened head can (small batches); None where the caller must compute the logits."""
         return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
 
+    def _use_ops(self, ops: ModuleType) -> None:
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
+                module.ops = ops
+
+    def use_triton_ops(self) -> None:
+        """Norms, rotary and activation through ``kernels.fused_ops``: one launch each instead of 5-14 small torch
+        kernels (for the Triton attention backend, whose steps are made of launches)."""
+        from kernels import fused_ops  # defines kernels: after TRITON_INTERPRET is set
+
+        self._use_ops(fused_ops)
+
     def use_cpu_kernels(self) -> None:
         """Switches an fp32 CPU model, once its weights are loaded, to the C kernels of ``kernels/cpu``: packed
         weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
@@ -255,8 +268,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu_kernels()
-            elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
-                module.fused = True
+        self._use_ops(cpu_kernels)
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:
             self.packed_tied_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())

@@ -6,10 +6,10 @@ NOTE: the cos/sin table is computed once for every position up to ``max_position
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from transformers import PretrainedConfig
-
-from kernels import cpu as cpu_kernels
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -40,7 +40,7 @@ def inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch
 
 
 class RotaryEmbedding(torch.nn.Module):
-    fused = False  # set when the model runs on the C kernels (fp32 CPU)
+    ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -57,9 +57,9 @@ class RotaryEmbedding(torch.nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:  # C kernel in place, straight into the fused qkv rows
-            cpu_kernels.rotary_(q, positions, self.cos_cache, self.sin_cache)
-            cpu_kernels.rotary_(k, positions, self.cos_cache, self.sin_cache)
+        if self.ops:  # in place, straight into the fused qkv rows
+            self.ops.rotary_(q, positions, self.cos_cache, self.sin_cache)
+            self.ops.rotary_(k, positions, self.cos_cache, self.sin_cache)
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
