@@ -10,7 +10,8 @@ On the cpu backend a decode-only step runs every layer in one C call (``model.cp
 cannot see into; its families are therefore measured over as many further steps through the per-module path
 (the same kernels, one Python call each), whose own step time is printed beside them. A last table times, per
 batch, a step that also carries a fresh prompt's first chunk, through that one C call and through the modules
-(which run it with torch's SDPA), alternating.
+(which run it with torch's SDPA), alternating. On CUDA the same tables set CUDA-graph replays against eager steps,
+for decode steps and for those mixed steps.
 
     python -m loadtest.step_profile                              # the default (cpu) path
     python -m loadtest.step_profile --attention-backend torch    # the plain-torch path, for comparison
@@ -19,6 +20,7 @@ batch, a step that also carries a fresh prompt's first chunk, through that one C
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -90,15 +92,52 @@ def _head_ab(llm: LLM, steps: int) -> tuple[float, float]:
     return sum(times[0]) / steps, sum(times[1]) / steps
 
 
-def _mixed_ab(llm: LLM, prompt_len: int, rounds: int, seed: int) -> tuple[int, float, float]:
-    """A step of the running batch's decodes plus a fresh prompt, through the one-call C decoder and through the
-    modules (``CPU_DECODER_MAX_PREFILL_CONTEXT`` 0), alternating: (prompt tokens in the step, mean seconds each)."""
+def _paths(llm: LLM) -> tuple[Callable[[bool], None], str, str] | None:
+    """A switch between the engine's fast path for small steps and the one it replaces, with their names: the
+    one-call C decoder or the modules (through ``CPU_DECODER_MAX_PREFILL_CONTEXT``), CUDA graphs or eager steps."""
+    engine = llm.engine
+    if engine.model.cpu_decoder is not None:
+        limit = llama.CPU_DECODER_MAX_PREFILL_CONTEXT
+
+        def use_decoder(fast: bool) -> None:
+            llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit if fast else 0
+
+        return use_decoder, "C decoder", "modules"
+    graphs = engine.model_runner.graphs
+    if graphs is not None:
+
+        def use_graphs(fast: bool) -> None:
+            engine.model_runner.graphs = graphs if fast else None
+
+        return use_graphs, "CUDA graphs", "eager"
+    return None
+
+
+def _decode_ab(llm: LLM, steps: int, use: Callable[[bool], None]) -> tuple[float, float]:
+    """Median seconds per decode step through the fast path and the other one, alternating step by step (the
+    median: an eager step may compile a Triton kernel for a shape the graphs never ran)."""
+    times = ([], [])
+    try:
+        for i in range(2 * steps):
+            use(i % 2 == 0)
+            start = time.perf_counter()
+            llm.engine.step()
+            times[i % 2].append(time.perf_counter() - start)
+    finally:
+        use(True)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _mixed_ab(llm: LLM, prompt_len: int, rounds: int, seed: int, use: Callable[[bool], None]) -> tuple[int, float,
+                                                                                                      float]:
+    """A step of the running batch's decodes plus a fresh prompt, through the fast path and the other one,
+    alternating: (prompt tokens in the step, median seconds each)."""
     engine, vocab = llm.engine, llm.engine.vocab_size
-    limit, times, chunk = llama.CPU_DECODER_MAX_PREFILL_CONTEXT, ([], []), 0
+    times, chunk = ([], []), 0
     one = SamplingParams(temperature=0, max_tokens=1)
     try:
         for i in range(2 * rounds):
-            llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit if i % 2 == 0 else 0
+            use(i % 2 == 0)
             rid = f"mixed-{seed}-{i}"  # a prompt of its own, so no prefix-cache hit shortens it
             engine.add_request(rid, [(5000 + 7919 * seed + 11 * i + 17 * j) % vocab for j in range(prompt_len)], one)
             start = time.perf_counter()
@@ -109,8 +148,8 @@ def _mixed_ab(llm: LLM, prompt_len: int, rounds: int, seed: int) -> tuple[int, f
             while rid in engine.scheduler.requests:
                 engine.step()
     finally:
-        llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit
-    return chunk, sum(times[0]) / rounds, sum(times[1]) / rounds
+        use(True)
+    return chunk, statistics.median(times[0]), statistics.median(times[1])
 
 
 def _row(label: str, step_s: float, totals: dict[str, float], steps: int, top: int, split_s: float) -> str:
@@ -131,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=7, help="operation families listed per row")
+    parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     args = parser.parse_args(argv)
 
-    llm = LLM(args.model, attention_backend=args.attention_backend)
+    llm = LLM(args.model, attention_backend=args.attention_backend, num_threads=args.num_threads)
     engine = llm.engine
     use_profiler = engine.attention_backend != "cpu"
     totals: dict[str, float] = defaultdict(float)
@@ -144,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     # Long enough to outlast the prefill of the whole batch; aborted once measured.
     greedy = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     vocab = engine.vocab_size
-    head_rows, mixed_rows = [], []
+    head_rows, decode_rows, mixed_rows = [], [], []
+    paths = _paths(llm)
     for n, batch in enumerate(int(b) for b in args.batches.split(",")):
         for i in range(batch):
             ids = [(1000 + n * 7919 + i * 104729 + j * 31) % vocab for j in range(args.prompt_len)]
@@ -159,10 +200,12 @@ def main(argv: list[str] | None = None) -> None:
         if engine.model.greedy_head is not None and batch <= MAX_ROWS:
             screened, full = _head_ab(llm, args.steps)
             head_rows.append(f"| {batch} | {screened * 1000:.1f} | {full * 1000:.1f} |")
-        if engine.model.cpu_decoder is not None:
-            chunk, one_call, modules = _mixed_ab(llm, args.prompt_len, max(1, args.steps // 2), batch)
-            mixed_rows.append(f"| {batch} decodes + {chunk} prompt tokens | {one_call * 1000:.1f} | "
-                              f"{modules * 1000:.1f} |")
+        if paths is not None:
+            if engine.model_runner.graphs is not None:
+                fast, other = _decode_ab(llm, args.steps, paths[0])
+                decode_rows.append(f"| {batch} | {fast * 1000:.2f} | {other * 1000:.2f} |")
+            chunk, fast, other = _mixed_ab(llm, args.prompt_len, max(1, args.steps // 2), batch, paths[0])
+            mixed_rows.append(f"| {batch} decodes + {chunk} prompt tokens | {fast * 1000:.2f} | {other * 1000:.2f} |")
         engine.abort_requests([f"b{batch}-{i}" for i in range(batch)])
     one = SamplingParams(temperature=0, max_tokens=1)
     engine.add_request("prefill-0", [(2000 + j) % vocab for j in range(args.prompt_len)], one)
@@ -188,10 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top, split_s))
     while engine.has_unfinished_requests():
         engine.step()
+    if decode_rows:
+        print(f"\nDecode steps through {paths[1]} or {paths[2]}, alternating (ms per step):\n")
+        print(f"| batch | {paths[1]} | {paths[2]} |\n|---|---|---|")
+        print("\n".join(decode_rows))
     if mixed_rows:
-        print("\nA step of the running decodes plus a fresh prompt's first chunk, through the one-call C decoder or"
-              " the modules, alternating (ms per step):\n")
-        print("| step | C decoder | modules |\n|---|---|---|")
+        print(f"\nA step of the running decodes plus a fresh prompt's first chunk, through {paths[1]} or {paths[2]},"
+              " alternating (ms per step):\n")
+        print(f"| step | {paths[1]} | {paths[2]} |\n|---|---|---|")
         print("\n".join(mixed_rows))
     if head_rows:
         print("\nGreedy tokens from the screened LM head or the full one, alternating step by step (ms per step):\n")

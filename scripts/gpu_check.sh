@@ -3,7 +3,8 @@
 # GPU, the kernel benchmark, and a serving sweep of the default model (bfloat16).
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default results/gpu)
 # Env: PY (default python3), SWEEP (1,16,64,256), INPUT_LEN (128), OUTPUT_LEN (128), STEPS (what to run, default
-# "tests bench serve offline"), TESTS (the test files of the tests step).
+# "tests bench serve offline"), TESTS (the test files of the tests step), SERVE_ARGS (more server flags, e.g.
+# --enforce-eager), LABEL (the sweep's label, default harpoon-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu}
@@ -18,22 +19,24 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 if [[ " $STEPS " == *" tests "* ]]; then
+    TESTS=${TESTS:-tests/test_kernels.py tests/test_fused_ops.py tests/test_gpu.py}
     # shellcheck disable=SC2086
-    $PY -m pytest -q -p no:cacheprovider -rs -s ${TESTS:-tests/test_kernels.py tests/test_gpu.py} 2>&1 \
+    $PY -m pytest -q -p no:cacheprovider -rs -s $TESTS 2>&1 \
         | tee "$OUT/tests.log" || status=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
     $PY -m kernels.bench --save "$OUT/kernels_bench.json" 2>&1 | tee "$OUT/kernels_bench.md" || status=1
 fi
 if [[ " $STEPS " == *" serve "* ]]; then
-    setsid $PY -m engine.cli serve --port 8000 > "$OUT/server.log" 2>&1 &
+    # shellcheck disable=SC2086
+    setsid $PY -m engine.cli serve --port 8000 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 180); do
         curl -sf http://127.0.0.1:8000/health > /dev/null && break
         kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/server.log"; exit 1; }
         sleep 1
     done
-    $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label harpoon-gpu --num-prompts 16 \
+    $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label "${LABEL:-harpoon-gpu}" --num-prompts 16 \
         --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --sweep-concurrency "${SWEEP:-1,16,64,256}" \
         --no-progress --save "$OUT/serve.json" 2>&1 | tee "$OUT/serve.md" || status=1
     kill "$pid"; wait "$pid" 2>/dev/null
