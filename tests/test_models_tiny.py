@@ -103,17 +103,23 @@ def _assert_same_tokens_close_logprobs(fast, slow):
             assert all(abs(position[t].logprob - ref[t].logprob) < 1e-4 for t in ref)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
-def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
-    """The engine with the Triton kernels (interpreted on CPU) gives transformers' greedy tokens too."""
+def _triton_case(folder, seed: int) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """An engine on the Triton backend with a 16-token budget, three prompts (1, 9 and 23 tokens) and
+    transformers' 12 greedy tokens for each."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_model(kind)
-    rng = random.Random(1)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 23)]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    return llm, prompts, expected
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
+    """The engine with the Triton kernels (interpreted on CPU) gives transformers' greedy tokens too."""
+    llm, prompts, expected = _triton_case(tiny_model(kind), seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert isinstance(llm.engine.model.layers[0].self_attn.attn, TritonAttention)
@@ -123,16 +129,9 @@ def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
 def test_cuda_graph_steps_match_transformers(kind, tiny_model, monkeypatch):
     """The graph path (static buffers, padding to a bucket, a decode query per token), run eagerly here where there
     is no GPU to capture on, gives transformers' greedy tokens beside steps that do not fit and run the usual way."""
-    from transformers import AutoModelForCausalLM
-
     from engine import cuda_graphs
 
-    folder = tiny_model(kind)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 23)]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    expected = [hf_greedy(hf, p, 12) for p in prompts]
-    llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    llm, prompts, expected = _triton_case(tiny_model(kind), seed=2)
     engine = llm.engine
     assert engine.model_runner.graphs is None  # nothing to capture on a CPU
     # Buckets 1, 2, 4, 8, 12: the 16-token steps do not fit, nor do prompt chunks past 20 positions.
