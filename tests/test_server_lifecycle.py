@@ -108,3 +108,11 @@ def test_bad_engine_flags_are_usage_errors_before_any_model_loads(flags, message
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: harpoon serve") and message in err
+
+
+def test_switch_flags_set_only_what_they_name():
+    from engine.cli import parse_engine_args
+
+    assert parse_engine_args([]) == {}
+    assert parse_engine_args(["--enforce-eager", "--no-prefix-caching", "--block-size", "32"]) == {
+        "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32}
