@@ -31,13 +31,17 @@ from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the buckets thin out as they grow: padding 1-63 tokens onto a step of hundreds costs little next to its
-# own tokens, and each bucket is a capture at start-up.
+# NOTE: in a graph each prompt token re-reads its whole prefix, which the varlen prefill kernel reads once per tile
+# of queries, so long chunks (past MAX_PREFILL_CONTEXT) stay eager; so do steps past MAX_NUM_TOKENS (bursts of new
+# prompts), where each larger bucket would be one more capture at start-up. Neither bound is tuned yet: the
+# 256-client bursts of docs/benchmarks.md run eagerly.
 MAX_NUM_TOKENS = 512
 MAX_PREFILL_CONTEXT = 1024
 
 
 def bucket_sizes(max_num_tokens: int) -> list[int]:
+    # NOTE: the buckets thin out as they grow: padding 1-63 tokens onto a step of hundreds costs little next to its
+    # own tokens, and each bucket is a capture at start-up.
     sizes = [1, 2, 4, 8, *range(16, 129, 16), *range(160, 257, 32), *range(320, 1 << 20, 64)]
     return [s for s in sizes if s < max_num_tokens] + [max_num_tokens]
 
