@@ -2,7 +2,7 @@
 
 A GPU step of a small model is bound by the host launching kernels, not by the GPU: SmolLM2-135M issues over a
 thousand small ones a step (30 layers of torch ops plus three Triton launches each), which took 16-77 ms eagerly
-on an H100 against 3.3 ms replayed from a graph, at batch 1 as at 64. So every step of up to ``max_num_tokens``
+on an H100 against 3.3 ms replayed from a graph, at batch 1 as at 64. So every step of up to ``MAX_NUM_TOKENS``
 tokens, decodes and short prompt chunks alike, is captured once per token-count bucket at start-up and replayed.
 
 A graph fixes its shapes, so each token is treated as its own decode query: token t of request r, at position p,
@@ -51,12 +51,12 @@ class CudaGraphs:
     holds the step. Where the device is not CUDA (tests), ``run`` calls the same forward on the same buffers
     eagerly, so the padding and the per-token metadata are checked without a GPU."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_tokens: int, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_cache.layers
         self.max_model_len = max_model_len
-        self.sizes = bucket_sizes(max_num_tokens)
+        self.sizes = bucket_sizes(min(MAX_NUM_TOKENS, max_num_batched_tokens))
         self.max_num_tokens = self.sizes[-1]
         self.max_num_seqs = max_num_seqs
         max_blocks = -(-max_model_len // kv_cache.spec.block_size)

@@ -21,7 +21,6 @@ from engine.config import (
     EngineConfig,
     cpu_token_budget,
 )
-from engine.cuda_graphs import MAX_NUM_TOKENS as CUDA_GRAPH_MAX_NUM_TOKENS
 from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache import KVCache, KVCacheSpec, resolve_budget
 from engine.limits import EngineLimits
@@ -108,8 +107,8 @@ class EngineCore:
                                    config.resolve_prefill_tokens_per_decode(self.device))
         graphs = None
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
-            graphs = CudaGraphs(self.model, self.kv_cache, min(CUDA_GRAPH_MAX_NUM_TOKENS, self.max_num_batched_tokens),
-                                config.max_num_seqs, self.max_model_len, self.device)
+            graphs = CudaGraphs(self.model, self.kv_cache, self.max_num_batched_tokens, config.max_num_seqs,
+                                self.max_model_len, self.device)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, graphs)
         if config.max_num_batched_tokens is None and self.device.type == "cpu":
             self._size_token_budget()
