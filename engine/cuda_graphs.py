@@ -1,8 +1,8 @@
 """Small steps replayed from CUDA graphs: one launch per step instead of one per operation.
 
 A GPU step of a small model is bound by the host launching kernels, not by the GPU: SmolLM2-135M issues over a
-thousand small ones a step (30 layers of torch ops plus three Triton launches each), which took 16-77 ms eagerly
-on an H100 against 3.3 ms replayed from a graph, at batch 1 as at 64. So every step of up to ``MAX_NUM_TOKENS``
+thousand small ones a step (30 layers of torch ops plus three Triton launches each): a decode step at batch 1-64
+took 32-45 ms eagerly on an H100 and 3.3-5.7 ms replayed from a graph. So every step of up to ``MAX_NUM_TOKENS``
 tokens, decodes and short prompt chunks alike, is captured once per token-count bucket at start-up and replayed.
 
 A graph fixes its shapes, so each token is treated as its own decode query: token t of request r, at position p,
