@@ -62,6 +62,9 @@ _HELP = {
     "triton",
     "seed": "seed of the engine's random state (requests may carry their own)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "speculative_config": "n-gram speculative decoding for greedy requests, as JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+    '"disable_by_batch_size": 4}\' (the keys are optional; these are the defaults); off by default',
 }
 
 
@@ -72,7 +75,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = parse_memory if field.name == "kv_cache_memory" else (
-            str if field.type == "str" else float if field.type.startswith("float") else int)
+            str if field.type == "str" or field.name == "speculative_config"  # JSON text, parsed by EngineConfig
+            else float if field.type.startswith("float") else int)
         group.add_argument(flag, dest=field.name, type=kind, default=None, help=_HELP.get(field.name))
     group.add_argument(
         "--no-prefix-caching",

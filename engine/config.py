@@ -7,7 +7,8 @@ moves between the offline API and the server without a dictionary.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,6 +37,51 @@ def cpu_token_budget(seconds_per_token: float, block_size: int = 16) -> int:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (vLLM's JSON keys). ``disable_by_batch_size``: no drafts while more requests than
+    this are running, where steps are no longer memory-bound and every rejected draft costs compute."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config: method must be 'ngram' (the only one served), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {limit!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
+        """From a dict or its JSON text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every knob of the engine core. ``None`` means "derive it from the model or the device"."""
 
@@ -57,8 +103,12 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
+    # N-gram speculative decoding (engine/spec_decode.py): a SpeculativeConfig, or its dict or JSON text; off if None.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -31,6 +31,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import NgramProposer
 from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, cumulative
+    spec_accepted_tokens: int = 0  # of those, drafts kept
 
 
 class EngineCore:
@@ -110,6 +113,8 @@ class EngineCore:
             graphs = CudaGraphs(self.model, self.kv_cache, self.max_num_batched_tokens, config.max_num_seqs,
                                 self.max_model_len, self.device)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, graphs)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         if config.max_num_batched_tokens is None and self.device.type == "cpu":
             self._size_token_budget()
 
@@ -191,6 +196,8 @@ class EngineCore:
             self.scheduler.num_preemptions,
             bm.num_query_tokens,
             bm.num_hit_tokens,
+            self.scheduler.num_draft_tokens,
+            self.scheduler.num_accepted_tokens,
         )
 
     # ---- the step ----------------------------------------------------------------------------------------------
@@ -203,18 +210,21 @@ class EngineCore:
             request = self.scheduler.requests[request_id]
             request.prompt_logprobs.extend(entries)
             request.num_prompt_logprobs_done += len(entries)
+        num_before = {r: self.scheduler.requests[r].num_output_tokens for r in result.sampled_token_ids}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled_token_ids)}
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         outputs = []
         for request in sched.scheduled_requests:
-            token_id = result.sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                continue
-            first = request.num_output_tokens == 1
+            if request.request_id not in num_before:
+                continue  # a prefill chunk short of the prompt's end
+            token_ids = request.output_token_ids[num_before[request.request_id] :]  # a stop drops those after it
+            first = request.num_output_tokens == len(token_ids)
             logprobs = result.logprobs.get(request.request_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token_id],
+                    new_token_ids=token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     prompt_logprobs=[None, *request.prompt_logprobs]
                     if first and request.prompt_logprobs_requested

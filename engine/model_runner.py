@@ -19,14 +19,24 @@ from engine.request import Request
 from engine.sampler import Sampler, TopLogprobs, top_logprobs
 from engine.sampling_metadata import SamplingMetadata
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import accepted_tokens
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # The new tokens of every request that reached the end of its known tokens: one, or several where a draft
+    # was verified (engine/spec_decode.py).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # Logprobs of prompt tokens scored this step (chunk by chunk), in prompt order.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class _Verification:
+    request: Request
+    first_row: int  # hidden-state rows first_row .. first_row + len(draft_ids): the last token's, then each draft's
+    draft_ids: list[int]
 
 
 @dataclass
@@ -55,12 +65,16 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Request] = []
         scorings: list[_PromptScoring] = []
+        verifications: list[_Verification] = []
         for request in requests:
             start = request.num_computed_tokens
             end = start + sched.num_scheduled_tokens[request.request_id]
-            input_ids += request.all_token_ids[start:end]
+            draft_ids = sched.spec_token_ids.get(request.request_id)
+            input_ids += request.all_token_ids[start:end] + (draft_ids or [])
             positions += range(start, end)
-            if end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
+            if draft_ids:  # the last token and its drafts: every row's greedy token is checked
+                verifications.append(_Verification(request, qsl[-1], draft_ids))
+            elif end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
                 sample_rows.append(qsl[-1] + end - start - 1)
                 sampled.append(request)
             scoring = self._prompt_scoring(request, start, end, qsl[-1])
@@ -78,29 +92,35 @@ class ModelRunner:
             hidden = self.model(ids.to(dev), pos.to(dev), self.kv_cache.layers, meta.to(dev))  # [num_tokens, hidden]
         out = ModelRunnerOutput()
         prompt_rows = [row for s in scorings for row in s.rows]
-        if not sample_rows and not prompt_rows:
+        verify_rows = [v.first_row + i for v in verifications for i in range(len(v.draft_ids) + 1)]
+        if not sample_rows and not verify_rows and not prompt_rows:
             return out  # only prefill chunks that end mid-prompt: K/V written, nothing to sample or score
-        rows = hidden[torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=self.device)]
+        rows = hidden[torch.tensor(sample_rows + verify_rows + prompt_rows, dtype=torch.int64, device=self.device)]
         sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device) if sampled else None
-        if sampling is not None and sampling.plain_greedy and not scorings:
+        num_sampled, num_greedy = len(sampled), len(sampled) + len(verify_rows)
+        if (sampling is None or sampling.plain_greedy) and not scorings:
             token_ids = self.model.greedy_tokens(rows)  # the argmax without the full logits, where it can
             if token_ids is not None:
-                out.sampled_token_ids = dict(zip((r.request_id for r in sampled), token_ids.tolist(), strict=True))
+                ids = token_ids.tolist()
+                out.sampled_token_ids = {r.request_id: [t] for r, t in zip(sampled, ids, strict=False)}
+                _verify(verifications, ids[num_sampled:], out)
                 return out
         logits = self.model.compute_logits(rows)
 
+        if verifications:  # drafting requests take the plain argmax (spec_decode.can_draft)
+            _verify(verifications, logits[num_sampled:num_greedy].argmax(dim=-1).tolist(), out)
         if sampling is not None:
-            result = self.sampler(logits[: len(sampled)], sampling)
+            result = self.sampler(logits[:num_sampled], sampling)
             token_ids = result.token_ids.tolist()
             for i, request in enumerate(sampled):
-                out.sampled_token_ids[request.request_id] = token_ids[i]
+                out.sampled_token_ids[request.request_id] = [token_ids[i]]
             if result.logprobs is not None:
                 per_row = _to_python(result.logprobs)
                 for i, request in enumerate(sampled):
                     if request.sampling_params.logprobs is not None:
                         out.logprobs[request.request_id] = _position(per_row[i], request.sampling_params.logprobs)
         if scorings:
-            self._score_prompts(logits[len(sampled) :], scorings, out)
+            self._score_prompts(logits[num_greedy:], scorings, out)
         return out
 
     @staticmethod
@@ -147,6 +167,16 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
+
+
+def _verify(verifications: list[_Verification], target_ids: list[int], out: ModelRunnerOutput) -> None:
+    """Each drafting request's new tokens from its rows' greedy tokens, taken in order from ``target_ids``."""
+    offset = 0
+    for v in verifications:
+        num_rows = len(v.draft_ids) + 1
+        targets = target_ids[offset : offset + num_rows]
+        out.sampled_token_ids[v.request.request_id] = accepted_tokens(v.draft_ids, targets)
+        offset += num_rows
 
 
 def _to_python(top: TopLogprobs) -> list[tuple[list[int], list[float], int]]:

@@ -76,14 +76,16 @@ class OutputProcessor:
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
         state.num_cached_tokens = output.num_cached_tokens
-        state.token_ids += output.new_token_ids
-        if output.new_logprobs is not None and state.logprobs is not None:
-            for token_id, entry in zip(output.new_token_ids, output.new_logprobs, strict=True):
-                state.logprobs.append(entry)
-                state.cumulative_logprob += entry[token_id].logprob
-        stopped = state.detokenizer.add(output.new_token_ids)
+        stopped = False
+        for i, token_id in enumerate(output.new_token_ids):  # several where speculative drafts were accepted
+            state.token_ids.append(token_id)
+            if output.new_logprobs is not None and state.logprobs is not None:
+                state.logprobs.append(output.new_logprobs[i])
+                state.cumulative_logprob += output.new_logprobs[i][token_id].logprob
+            stopped = state.detokenizer.add([token_id])
+            if stopped:  # the token that completed the stop string is the last one kept
+                break
         if stopped:
-            # NOTE: the core emits one token per step, so the token that completed the stop string is the last one.
             state.finish_reason, state.stop_reason = "stop", state.detokenizer.stop_reason
         elif output.finish_reason is not None:
             state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason

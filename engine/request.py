@@ -56,6 +56,8 @@ class Request:
     # many prompt tokens the first admission found already cached.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Speculative decoding: tokens guessed to follow all_token_ids, verified by the next step (engine/spec_decode.py)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -27,6 +27,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # every scheduled request's block ids
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Drafts to verify, per decoding request that has them: its scheduled tokens are its last token plus these.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -65,6 +67,8 @@ class Scheduler:
         self._arrival_index: dict[str, int] = {}
         self._next_index = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified so far, and how many of them were kept
+        self.num_accepted_tokens = 0
 
     # ---- queue management ----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -113,6 +117,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=self._key)
@@ -140,6 +145,7 @@ class Scheduler:
         preempted: list[str] = []
         prefill_budget = self.prefill_budget()
         chunked: set[str] = set()  # running requests given a prefill chunk this step
+        drafts: dict[str, list[int]] = {}
 
         # Decodes (one token left) first, then prefill chunks; arrival order within each group (sort is stable).
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -148,7 +154,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted by an older request earlier in this loop
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            if remaining == 1:  # a decode, with its drafts as far as the budget goes
+                num_new = min(1 + len(request.spec_token_ids), budget)
+            else:
+                num_new = min(remaining, budget, prefill_budget)
             if num_new == 0:
                 continue  # a prefill chunk with no prompt budget left this step
             while self.block_manager.allocate_slots(request, num_new) is None:
@@ -165,6 +174,8 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
+                if remaining == 1 and num_new > 1:
+                    drafts[request.request_id] = request.spec_token_ids[: num_new - 1]
                 if remaining > 1:
                     prefill_budget -= num_new
                     chunked.add(request.request_id)
@@ -196,7 +207,8 @@ class Scheduler:
 
         scheduled = [r for r in self.running if r.request_id in num_scheduled]
         tables = {r.request_id: self.block_manager.get_block_ids(r.request_id) for r in scheduled}
-        return SchedulerOutput(scheduled, num_scheduled, tables, preempted)
+        drafts = {rid: d for rid, d in drafts.items() if rid in num_scheduled}  # minus those preempted since
+        return SchedulerOutput(scheduled, num_scheduled, tables, preempted, drafts)
 
     def _pending_block_hashes(self) -> set[int]:
         """Hashes of the full prompt blocks that running requests are still prefilling."""
@@ -209,19 +221,29 @@ class Scheduler:
         hashes = request.update_block_hashes(size)
         return hashes[request.num_computed_tokens // size : request.num_prompt_tokens // size]
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by what was computed, append sampled tokens, and finish the requests
-        that hit a stop condition. Returns the requests finished by this step."""
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance the scheduled requests by what was computed, append the new tokens (several where drafts were
+        accepted; none for a prefill chunk short of the prompt's end), and finish the requests that hit a stop
+        condition, dropping any tokens after it. Returns the requests finished by this step."""
         finished: list[Request] = []
         for request in output.scheduled_requests:
-            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
-            assert request.num_computed_tokens <= request.num_tokens
+            token_ids = sampled_token_ids.get(request.request_id, [])
+            num_drafts = len(output.spec_token_ids.get(request.request_id, ()))
+            if num_drafts:
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += len(token_ids) - 1
+            status = None
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    break
+            # The rejected drafts' K/V (written past the accepted ones) is not counted: the next step overwrites it.
+            num_rejected = num_drafts + 1 - len(token_ids) if num_drafts else 0
+            num_computed = request.num_computed_tokens + output.num_scheduled_tokens[request.request_id] - num_rejected
+            assert status is not None or num_computed <= request.num_tokens
+            request.num_computed_tokens = min(num_computed, request.num_tokens)  # tokens after a stop were dropped
             self.block_manager.cache_full_blocks(request)
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                continue  # a prefill chunk that has not reached the end of the prompt
-            request.append_output_token(token_id)
-            status = self._stop_status(request, token_id)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)

@@ -33,6 +33,30 @@ def test_tiny_model_greedy_matches_transformers(kind, backend, tiny_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("kind, backend, max_new", [
+    ("llama-gqa-tied", "cpu", 30), ("qwen3-qknorm", "cpu", 30), ("llama-gqa-tied", "torch", 30),
+    ("qwen3-qknorm", "torch", 30), ("qwen3-qknorm", "triton", 10),  # fewer tokens: the interpreter is slow
+])
+def test_ngram_speculation_matches_transformers(kind, backend, max_new, tiny_model):
+    """Verify steps (the last token plus its drafts as one query chunk) give transformers' greedy tokens on both
+    attention paths, with 2-token blocks so drafts cross block boundaries, beside chunked prefills."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(kind)
+    rng = random.Random(1)
+    loop = [rng.randrange(3, 512) for _ in range(5)]
+    prompts = [loop * 6, [rng.randrange(3, 512) for _ in range(9)], loop * 2 + [7, 8], [5, 5, 5, 5]]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, max_new) for p in prompts]
+    llm = LLM(str(folder), block_size=2, kv_cache_memory=4 << 20, attention_backend=backend, max_num_batched_tokens=16,
+              speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    llm.engine.block_manager.check_integrity()
+
+
 def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_args):
     """(token ids, logprobs) per prompt with the C decoder on, then off, and the query lengths it was given."""
     results, query_lens = [], []

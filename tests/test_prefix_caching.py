@@ -22,7 +22,7 @@ def run_to_end(sched: Scheduler, bm: BlockManager) -> list[list[int]]:
         out = sched.schedule()
         if first_tables is None:
             first_tables = dict(out.block_tables)
-        sampled = {r.request_id: 7 for r in out.scheduled_requests
+        sampled = {r.request_id: [7] for r in out.scheduled_requests
                    if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
         sched.update_from_output(out, sampled)
         bm.check_integrity()
@@ -94,7 +94,7 @@ def test_simultaneous_identical_prompts_compute_the_prefix_once():
         sched.add_request(make(f"s{i}", prompt))
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["s0"]  # the samples wait for the block s0 is computing
-    sched.update_from_output(out, {"s0": 7})
+    sched.update_from_output(out, {"s0": [7]})
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"s0": 1, "s1": 2, "s2": 2}
     assert out.block_tables["s1"][:4] == out.block_tables["s0"][:4] == out.block_tables["s2"][:4]

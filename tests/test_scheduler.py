@@ -28,7 +28,7 @@ def run_step(sched: Scheduler, bm: BlockManager, token: int = 7) -> tuple[Schedu
     out = sched.schedule()
     bm.check_integrity()
     sampled = {
-        r.request_id: token
+        r.request_id: [token]
         for r in out.scheduled_requests
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
     }
@@ -128,12 +128,12 @@ def test_stop_conditions():
     for r in (eos, stop, ignore, min_tok):
         sched.add_request(r)
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"eos": EOS, "stop": 9, "ignore": EOS, "min": EOS})
+    finished = sched.update_from_output(out, {"eos": [EOS], "stop": [9], "ignore": [EOS], "min": [EOS]})
     assert {r.request_id for r in finished} == {"eos", "stop"}
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
     assert stop.stop_reason == 9
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"ignore": EOS, "min": EOS})
+    finished = sched.update_from_output(out, {"ignore": [EOS], "min": [EOS]})
     assert {r.request_id for r in finished} == {"ignore", "min"}
     assert ignore.status == RequestStatus.FINISHED_LENGTH
     assert min_tok.status == RequestStatus.FINISHED_STOPPED

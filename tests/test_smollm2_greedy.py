@@ -75,3 +75,16 @@ def test_greedy_identical_with_chunked_prefill(prompt_ids, expected):
     tokens = run_staggered(engine, prompt_ids, ARRIVALS)
     assert chunked, "no prompt was prefilled in chunks"
     assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+
+
+@pytest.mark.parametrize("pool_blocks", [None, 14])
+def test_greedy_identical_with_ngram_speculation(prompt_ids, expected, pool_blocks):
+    """Drafts verified several tokens a step give transformers' tokens, with requests joining mid-flight and,
+    with a 14-block pool, under preemption; both accepted and rejected drafts occur."""
+    memory = None if pool_blocks is None else pool_blocks * BYTES_PER_BLOCK
+    engine = engine_with(kv_cache_memory=memory, speculative_config={"disable_by_batch_size": None})
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS if pool_blocks is None else [0] * len(prompt_ids))
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert (engine.scheduler.num_preemptions > 0) == (pool_blocks is not None)
