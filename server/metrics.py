@@ -36,11 +36,14 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative drafts verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Speculative drafts accepted (equal to the model's tokens).")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first step.")
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "accepted": 0}
         self._stats: EngineStats | None = None
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -59,7 +62,9 @@ class Metrics:
         # The engine reports cumulative counts; Prometheus counters take increments.
         for key, counter, value in (("preemptions", self.num_preemptions, stats.num_preemptions),
                                     ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
-                                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+                                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
+                                    ("drafts", self.spec_decode_num_draft_tokens, stats.spec_draft_tokens),
+                                    ("accepted", self.spec_decode_num_accepted_tokens, stats.spec_accepted_tokens)):
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
