@@ -49,7 +49,7 @@ def test_ngram_speculation_matches_transformers(kind, backend, max_new, tiny_mod
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, max_new) for p in prompts]
     llm = LLM(str(folder), block_size=2, kv_cache_memory=4 << 20, attention_backend=backend, max_num_batched_tokens=16,
-              speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None})
+              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new))
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.stats()

@@ -67,7 +67,7 @@ def decoding(request_id: str, prompt: list[int], **kw) -> Request:
 
 
 def test_proposer_respects_batch_size_max_tokens_and_prefill():
-    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=2))
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=2))
     a = decoding("a", [5, 6, 5, 6, 5])  # tokens 5 6 5 6 5 5: "5" last seen at 4, followed by 5
     b = decoding("b", [7, 8, 7, 8, 7], max_tokens=3)  # 1 output so far: at most 3 - 1 - 1 = 1 draft
     mid_prompt = make("c", [1, 2, 1, 2, 1])
