@@ -7,6 +7,7 @@ tok/s both ways, the speed-up, and the share of drafts accepted; the tokens must
 
     python -m loadtest.spec_decode
     python -m loadtest.spec_decode --speculative-config '{"num_speculative_tokens": 3}' --workloads chat
+    python -m loadtest.spec_decode --workloads random --num-prompts 16 --batch   # 16 requests at once
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="random,chat")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", action="store_true", help="submit each workload's prompts at once, not one by one")
     args = parser.parse_args()
 
     engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=args.speculative_config)}
@@ -59,12 +61,12 @@ def main() -> None:
         prompts, params = workload(name, engines["plain"], args.num_prompts, args.max_tokens)
         seconds, tokens = {"plain": 0.0, "ngram": 0.0}, {"plain": [], "ngram": []}
         stats_before = engines["ngram"].engine.stats()
-        for prompt in prompts:
+        for group in [prompts] if args.batch else [[p] for p in prompts]:
             for label, llm in engines.items():
                 start = time.perf_counter()
-                out = llm.generate([prompt], params)[0]
+                outs = llm.generate(group, params)
                 seconds[label] += time.perf_counter() - start
-                tokens[label].append(out.outputs[0].token_ids)
+                tokens[label] += [o.outputs[0].token_ids for o in outs]
         if tokens["plain"] != tokens["ngram"]:
             raise SystemExit(f"{name}: the tokens differ with speculation")
         stats = engines["ngram"].engine.stats()
