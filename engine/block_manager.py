@@ -7,7 +7,8 @@ prefix caching) lets requests share the full blocks of a common prefix.
                                                                + t % block_size
 
 A request holds exactly ``cdiv(num_computed_tokens + num_scheduled_tokens, block_size)`` blocks, so the only
-waste is the unfilled tail of its last block.
+waste is the unfilled tail of its last block (after a verify step that rejected speculative drafts, it may also keep
+the blocks of their slots, which its next tokens fill).
 
 Prefix caching: once a full block's K/V is computed it is registered under its chained hash. A new request takes
 the longest run of registered blocks matching its tokens (ref_cnt + 1, nothing recomputed). A freed block keeps its
