@@ -266,8 +266,8 @@ class LlamaForCausalLM(nn.Module):
         weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
         ("cpu") is chosen at construction."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu_kernels()
+            if isinstance(module, Linear):  # an untied head stays fp32: the screened greedy head reads its panels
+                module.pack_for_cpu_kernels(compact=module is not self.lm_head)
         self._use_ops(cpu_kernels)
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import q4
+
 _SOURCES = (Path(__file__).with_name("ops.c"), Path(__file__).with_name("decoder.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
@@ -65,6 +67,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; none returns a v
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_linear_q4": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
     "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
                                   _c_int, _c_int, _c_int, _c_float],
@@ -129,18 +132,34 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as Q4 panels (uint8) where its values are exactly 4-bit blocks (``q4.py``), else as fp32
+    panels (``pack_weight``); ``linear`` takes either and computes the same bits."""
+    _check(weight, torch.float32, "weight")
+    packed = q4.pack_weight_q4(weight, _library().hp_panel_width()) if q4.enabled() else None
+    return pack_weight(weight) if packed is None else packed
+
+
+def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
+    """(in_features, output columns held) of fp32 or Q4 panels."""
+    if packed.dtype == torch.uint8:
+        return packed.shape[1] * q4.GROUP, packed.shape[0] * _library().hp_panel_width()
+    return packed.shape[1], packed.shape[0] * packed.shape[2]
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)``."""
+    """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
+    ``pack_weight_compact(weight)``."""
     x = _rows(x, "x")
     m, k = x.shape
-    if packed.shape[1] != k or packed.shape[0] * packed.shape[2] < out_features:
+    in_features, columns = packed_geometry(packed)
+    if in_features != k or columns < out_features:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
     b = 0 if bias is None else bias.contiguous().data_ptr()
+    kernel = _library().hp_linear_q4 if packed.dtype == torch.uint8 else _library().hp_linear
     if m:
-        _library().hp_linear(
-            x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features, m, out_features, k
-        )
+        kernel(x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features, m, out_features, k)
     return y
 
 

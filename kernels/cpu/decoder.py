@@ -13,13 +13,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels.cpu import _c_float, _c_i64, _c_int, _check, _library, _ptr
+from kernels.cpu import _c_float, _c_i64, _c_int, _check, _library, _ptr, packed_geometry
 
 
 @dataclass
 class LayerWeights:
-    """One layer's tensors: RMSNorm weights, linear weights packed by ``pack_weight``, optional biases, and
-    Qwen3's per-head q/k norms."""
+    """One layer's tensors: RMSNorm weights, linear weights packed by ``pack_weight`` or ``pack_weight_compact``,
+    optional biases, and Qwen3's per-head q/k norms."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -50,7 +50,9 @@ class DecoderShape:
 
 
 class _LayerStruct(ctypes.Structure):  # struct hp_layer
-    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights)] + [("k_cache", _ptr), ("v_cache", _ptr)]
+    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights)] + [("k_cache", _ptr), ("v_cache", _ptr)] + [
+        (f"{name}_q4", _c_int) for name in _PACKED
+    ]
 
 
 class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
@@ -112,13 +114,17 @@ class Decoder:
                 if t is None:
                     continue
                 name = f"layers[{i}].{f.name}"
-                _contiguous(t, name)
-                if f.name in _PACKED:  # [panels, in, panel width] for an (in -> out) weight
+                if f.name in _PACKED:  # fp32 or Q4 panels of an (in -> out) weight
                     k, n = expected[f.name]
-                    if t.dim() != 3 or t.shape[1] != k or t.shape[0] * t.shape[2] < n:
+                    if t.dtype not in (torch.float32, torch.uint8) or not t.is_contiguous():
+                        raise ValueError(f"{name}: expected contiguous fp32 or Q4 panels, got {t.dtype}")
+                    if t.dim() != 3 or packed_geometry(t)[0] != k or packed_geometry(t)[1] < n:
                         raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
-                elif tuple(t.shape) != expected[f.name]:
-                    raise ValueError(f"{name}: expected shape {expected[f.name]}, got {tuple(t.shape)}")
+                    setattr(self._layers[i], f"{f.name}_q4", int(t.dtype == torch.uint8))
+                else:
+                    _contiguous(t, name)
+                    if tuple(t.shape) != expected[f.name]:
+                        raise ValueError(f"{name}: expected shape {expected[f.name]}, got {tuple(t.shape)}")
                 setattr(self._layers[i], f.name, t.data_ptr())
                 self._tensors.append(t)
         self._struct = _DecoderStruct(

@@ -131,38 +131,90 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
  * int8 layout (see hp_linear_i8) puts four consecutive k of one column in each 32-bit lane instead. */
 static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v8f); }
 
-/* y[rows, cols] (+)= x[rows, kc] . panel[kc, NR]: NV * rows accumulators, one broadcast of x per row and k. The
- * first k block stores, later ones add, the last adds the bias, or for int8 panels scales each column. */
+/* The formats of packed weights; one body of the micro-kernel is compiled for each. */
+enum { F32_PANELS, I8_PANELS, Q4_PANELS };
+
+/* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
+ * Q4_1 blocks, as the default SmolLM2 weights are): for each 32 k of a panel, d [NR] and m [NR] as floats, then
+ * the nibbles as [4][NV][8] 32-bit lanes, lane l of vector v holding column 8 v + l at eight consecutive k, k
+ * (mod 8) in bits 4k..4k+3. 0.75 bytes a weight instead of 4. */
+#define Q4_GROUP 32
+#define Q4_BLOCK_BYTES (2 * NR * 4 + Q4_GROUP * NR / 2)
+
+typedef int v8iu __attribute__((vector_size(32), aligned(4)));
+
+/* Weight kk (0..7) of the eight k in each lane of a Q4 nibble vector, dequantized: d q + m. d q is exact (an fp16 d
+ * times a 4-bit q), so the one rounding of the add (fused or not) gives the bits of the fp32 weight. */
+static inline v8f q4_lane(v8i w, int kk, v8f d, v8f m) {
+    return d * __builtin_convertvector((w >> (4 * kk)) & 15, v8f) + m;
+}
+
+/* c[i] += x[i][k] * b for the rows of a micro-tile: one broadcast of x per row. */
+static inline __attribute__((always_inline)) void accumulate(int rows, v8f c[MR][NV], const float *x, int64_t ldx,
+                                                             int k, const v8f b[NV]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        if (i < rows) {
+            v8f a = splat8(x[i * ldx + k]); /* one vbroadcastss from memory */
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
+        }
+    }
+}
+
+/* y[rows, cols] (+)= x[rows, kc] . panel[kc, NR]: NV * rows accumulators. The first k block stores, later ones add,
+ * the last adds the bias, or for int8 panels scales each column. Every format feeds the same FMAs in the same order,
+ * so a Q4 panel gives the bits of the fp32 panel of the same weights. */
 static inline __attribute__((always_inline)) void micro_kernel(int rows, const float *x, int64_t ldx,
                                                                const void *panel, int kc, float *y, int64_t ldy,
                                                                int cols, const float *bias, const float *scale,
-                                                               int first, int quantized) {
-    v8f c[MR][NV];
+                                                               int first, int format) {
+    v8f c[MR][NV], b[NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
-    for (int k = 0; k < kc; k += quantized ? 4 : 1) {
-        v8i w[NV];
-        if (quantized) {
+    if (format == F32_PANELS) {
+        for (int k = 0; k < kc; k++) {
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) w[v] = *(const v8i *)((const signed char *)panel + ((int64_t)k * NV + 4 * v) * 8);
+            for (int v = 0; v < NV; v++) b[v] = load8((const float *)panel + (int64_t)k * NR + 8 * v);
+            accumulate(rows, c, x, ldx, k, b);
         }
-        for (int kk = 0; kk < (quantized ? 4 : 1); kk++) { /* unrolled once inlined with a constant `quantized` */
-            v8f b[NV];
+    } else if (format == I8_PANELS) {
+        for (int k = 0; k < kc; k += 4) {
+            v8i w[NV];
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++)
-                b[v] = quantized ? int8_lane(w[v], kk) : load8((const float *)panel + (int64_t)k * NR + 8 * v);
+            for (int v = 0; v < NV; v++) w[v] = *(const v8iu *)((const signed char *)panel + ((int64_t)k * NV + 4 * v) * 8);
+#pragma GCC unroll 4
+            for (int kk = 0; kk < 4; kk++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) b[v] = int8_lane(w[v], kk);
+                accumulate(rows, c, x, ldx, k + kk, b);
+            }
+        }
+    } else {
+        for (int k = 0; k < kc; k += Q4_GROUP) {
+            const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
+            const v8iu *nibbles = (const v8iu *)(block + 2 * NR * sizeof(float));
+            v8f d[NV], m[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) d[v] = load8((const float *)block + 8 * v);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) m[v] = load8((const float *)block + NR + 8 * v);
+            for (int g = 0; g < Q4_GROUP / 8; g++) {
+                v8i w[NV];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) w[v] = nibbles[g * NV + v];
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                if (i < rows) {
-                    v8f a = splat8(x[i * ldx + k + kk]); /* one vbroadcastss from memory */
+                for (int kk = 0; kk < 8; kk++) {
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) c[i][v] += a * b[v];
+                    for (int v = 0; v < NV; v++) b[v] = q4_lane(w[v], kk, d[v], m[v]);
+                    accumulate(rows, c, x, ldx, k + 8 * g + kk, b);
                 }
             }
         }
     }
+    const int scaled = format == I8_PANELS && scale;
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         if (i >= rows) break;
@@ -171,47 +223,92 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) {
                 v8f t = first ? c[i][v] : load8(yi + 8 * v) + c[i][v];
-                if (quantized && scale) t *= load8(scale + 8 * v);
+                if (scaled) t *= load8(scale + 8 * v);
                 *(v8f *)(yi + 8 * v) = t;
             }
         } else {
             for (int j = 0; j < cols; j++) {
                 float t = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
-                yi[j] = quantized && scale ? t * scale[j] : t;
+                yi[j] = scaled ? t * scale[j] : t;
             }
         }
     }
 }
 
+/* A Q4 panel's kc x NR slice as the fp32 panel slice of the same weights (kc % Q4_GROUP == 0). */
+static void q4_unpack(const void *panel, int kc, float *out) {
+    for (int k = 0; k < kc; k += Q4_GROUP) {
+        const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
+        const v8iu *nibbles = (const v8iu *)(block + 2 * NR * sizeof(float));
+        for (int v = 0; v < NV; v++) {
+            v8f d = load8((const float *)block + 8 * v), m = load8((const float *)block + NR + 8 * v);
+            for (int g = 0; g < Q4_GROUP / 8; g++) {
+                v8i w = nibbles[g * NV + v];
+#pragma GCC unroll 8
+                for (int kk = 0; kk < 8; kk++) store8(out + (int64_t)(k + 8 * g + kk) * NR + 8 * v, q4_lane(w, kk, d, m));
+            }
+        }
+    }
+}
+
+/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % Q4_GROUP == 0 for Q4). */
+static inline int64_t panel_bytes(int64_t k, int format) {
+    if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
+    return format == I8_PANELS ? k * NR : k / Q4_GROUP * Q4_BLOCK_BYTES;
+}
+
 #ifndef KC
 #define KC 768
 #endif
-/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. */
+/* Rows m0..m1 of y (+)= x . one panel slice (kc x NR), in blocks of MR rows; x and y start at the slice's k0, n0. */
+static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, const float *x, int64_t ldx,
+                                                             const void *panel, int kc, float *y, int64_t ldy,
+                                                             int cols, const float *b, const float *sc, int first,
+                                                             int format) {
+    for (int m = m0; m < m1; m += MR) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (m1 - m < MR ? m1 - m : MR) {
+        /* a constant row count per call, so each case compiles to its own unrolled kernel */
+        case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+#if MR > 3
+        case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+#endif
+#if MR > 4
+        case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+#endif
+        default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        }
+    }
+}
+
+/* panel_rows over an fp32 slice, compiled on its own. NOTE: inlined into hp_linear_q4's loop beside the Q4
+ * micro-kernels, its MR-row kernel spilled an accumulator inside the k loop and ran at half speed. */
+static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float *x, int64_t ldx, const float *panel,
+                                                     int kc, float *y, int64_t ldy, int cols, const float *b,
+                                                     int first) {
+    panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
+}
+
+/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A Q4 slice that more than one row
+ * block reads is unpacked to fp32 once, so its dequantization is not repeated for every MR rows. */
 static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
                                                                 const void *packed, const float *bias,
                                                                 const float *scales, float *y, int64_t ldy, int N,
-                                                                int K, int quantized) {
+                                                                int K, int format) {
     int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    float unpacked[format == Q4_PANELS ? KC * NR : 1] __attribute__((aligned(64)));
     for (int k0 = 0; k0 < K; k0 += KC) {
-        const void *panel = (const char *)packed + ((int64_t)p * K + k0) * NR * (quantized ? 1 : sizeof(float));
+        const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
         int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + KC >= K;
         const float *b = bias && last ? bias + n0 : 0, *sc = scales && last ? scales + n0 : 0;
-        for (int m = m0; m < m1; m += MR) {
-            const float *xm = x + m * ldx + k0;
-            float *ym = y + m * ldy + n0;
-            switch (m1 - m < MR ? m1 - m : MR) {
-            /* a constant row count per call, so each case compiles to its own unrolled kernel */
-            case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-            case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-#if MR > 3
-            case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-#endif
-#if MR > 4
-            case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-            case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-#endif
-            default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, quantized); break;
-            }
+        if (format == Q4_PANELS && m1 - m0 > MR) {
+            q4_unpack(panel, kc, unpacked);
+            panel_rows_f32(m0, m1, x + k0, ldx, unpacked, kc, y + n0, ldy, cols, b, first);
+        } else {
+            panel_rows(m0, m1, x + k0, ldx, panel, kc, y + n0, ldy, cols, b, sc, first, format);
         }
     }
 }
@@ -228,14 +325,27 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
  * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 5-6% faster than
  * KC = 256 at 16 and 64 rows, the same at 1 and 256 (python -m loadtest.kernel_ab); 160 GFLOP/s on two cores from
  * 64 rows on, ~90% of their FMA peak.
- * NOTE: hp_linear and hp_linear_i8 each have their own parallel loop, so OpenMP outlines one body per weight
- * type with `quantized` a constant; a shared body had made it a runtime flag inside the micro-kernel. */
+ * NOTE: hp_linear, hp_linear_i8 and hp_linear_q4 each have their own parallel loop, so OpenMP outlines one body
+ * per weight format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K) {
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, 0);
+        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, F32_PANELS);
+    }
+}
+
+/* hp_linear for the same weights packed as Q4 panels (hp_pack_weight_q4; K % Q4_GROUP == 0): the same bits, from
+ * less than a fifth of the bytes. One or a few rows dequantize in registers, so a decode step at a small batch
+ * streams 0.75 bytes a weight from memory instead of 4; more rows share one fp32 copy of each panel slice. */
+void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                  int N, int K) {
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int p = 0; p < (N + NR - 1) / NR; p++)
+            panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, Q4_PANELS);
     }
 }
 
@@ -247,7 +357,7 @@ void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const 
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, 0, scales, y, ldy, N, K, 1);
+        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, 0, scales, y, ldy, N, K, I8_PANELS);
     }
 }
 
@@ -262,7 +372,7 @@ static float linear_column(const float *x, const float *packed, int N, int K, in
     float y[NR];
     for (int k0 = 0; k0 < K; k0 += KC) {
         int kc = K - k0 < KC ? K - k0 : KC;
-        micro_kernel(1, x + k0, 0, packed + ((int64_t)p * K + k0) * NR, kc, y, NR, cols, 0, 0, k0 == 0, 0);
+        micro_kernel(1, x + k0, 0, packed + ((int64_t)p * K + k0) * NR, kc, y, NR, cols, 0, 0, k0 == 0, F32_PANELS);
     }
     return y[j - n0];
 }

@@ -5,6 +5,8 @@
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
+void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                  int N, int K);
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
                   int M, int N, int K);
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,

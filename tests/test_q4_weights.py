@@ -1,0 +1,108 @@
+"""Weights that are exactly 4-bit blocks (GGUF Q4_1, as the default model's) run from Q4 panels: the same bits as
+the fp32 panels of the same weights, from the kernel alone up to a whole model's logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels import cpu
+from kernels.cpu import q4
+from tests.conftest import hf_greedy
+
+
+def to_q4_grid(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] rounded to Q4_1 blocks as llama.cpp quantizes: per 32 inputs, m = fp16(min) and
+    d = fp16((max - min) / 15), each value d q + m with q = round((x - min) / d)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    q = torch.round((blocks - low) / torch.where(d > 0, d, 1.0)).clamp(0, 15)
+    return (d * q + m).reshape(n, k)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 90, 300])  # in registers up to 4 rows; unpacked from 5; row blocks
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 20), (1536, 576), (32, 49)])
+def test_q4_panels_compute_the_bits_of_fp32_panels(m, k, n):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w = to_q4_grid(torch.randn(n, k, generator=gen) * 0.1)
+    compact, full = cpu.pack_weight_compact(w), cpu.pack_weight(w)
+    assert compact.dtype == torch.uint8 and compact.numel() < full.numel()
+    x, bias = torch.randn(m, k + 7, generator=gen)[:, 3 : 3 + k], torch.randn(n, generator=gen)  # strided rows
+    assert torch.equal(bits(cpu.linear(x, compact, n)), bits(cpu.linear(x, full, n)))
+    assert torch.equal(bits(cpu.linear(x, compact, n, bias)), bits(cpu.linear(x, full, n, bias)))
+    ref = x.double() @ w.double().T
+    assert torch.allclose(cpu.linear(x, compact, n).double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_q4_blocks_give_back_the_grid_exactly():
+    w = to_q4_grid(torch.randn(7, 64))
+    d, m, q = q4.q4_blocks(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())
+    assert torch.equal(bits((d.unsqueeze(-1) * q + m.unsqueeze(-1)).reshape(7, 64)), bits(w))
+    constant = torch.full((3, 32), -0.5)  # d = 0: every q is 0
+    assert cpu.pack_weight_compact(constant).dtype == torch.uint8
+
+
+def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
+    w = to_q4_grid(torch.randn(24, 64))
+    assert cpu.pack_weight_compact(w).dtype == torch.uint8
+    off = w.clone()
+    off[5, 40] = torch.nextafter(off[5, 40], torch.tensor(1.0))  # one value one ulp off its block's grid
+    assert q4.q4_blocks(off) is None
+    assert cpu.pack_weight_compact(off).dtype == torch.float32
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    assert cpu.pack_weight_compact(nan).dtype == torch.float32
+    assert cpu.pack_weight_compact(torch.randn(24, 64)).dtype == torch.float32  # fp32 checkpoints
+    assert cpu.pack_weight_compact(to_q4_grid(torch.randn(8, 64))[:, :48].contiguous()).dtype == torch.float32
+    monkeypatch.setenv("HARPOON_CPU_Q4", "0")
+    assert cpu.pack_weight_compact(w).dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def q4_tiny_model(tiny_model, tmp_path_factory):
+    """The tiny Llama with every projection snapped to Q4_1 blocks; the embeddings and untied head stay fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tiny_model("llama-mha-untied-llama3-rope")
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("proj.weight"):
+                param.copy_(to_q4_grid(param))
+    folder = tmp_path_factory.mktemp("q4-llama")
+    hf.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def test_a_q4_model_runs_from_q4_panels_with_the_bits_of_fp32_panels(q4_tiny_model, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 30, 70)]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+    results = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("HARPOON_CPU_Q4", enabled)
+        llm = LLM(str(q4_tiny_model), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
+                  max_num_batched_tokens=32)
+        model = llm.engine.model
+        formats = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
+        assert formats == ({torch.uint8, torch.float32} if enabled == "1" else {torch.float32})
+        assert model.lm_head.packed.dtype == torch.float32  # the screened greedy head reads fp32 panels
+        outs = llm.generate(prompts, params)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+    hf = AutoModelForCausalLM.from_pretrained(q4_tiny_model, dtype=torch.float32).eval()
+    assert [ids for ids, _ in results[0]] == [hf_greedy(hf, p, 16) for p in prompts]
