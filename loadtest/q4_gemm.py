@@ -1,0 +1,66 @@
+"""The projections of one SmolLM2-135M decode step from Q4 panels against fp32 panels of the same weights.
+
+Thirty layers of random weights on the Q4_1 grid (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down
+1536 -> 576), each layer its own, so every call streams its weights from memory as a real step does. The two
+packings run interleaved, round by round; medians in ms. Each point includes the Python call per projection
+(120 of them); the C decoder makes none.
+
+    python -m loadtest.q4_gemm --rows 1,2,4,8,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+# isort: off
+import engine  # noqa: F401  (before torch: it sets the OpenMP policy torch reads when it loads)
+import torch
+
+# isort: on
+from kernels import cpu
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
+
+
+def q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random d q + m blocks of 32 inputs, with q = 0 and 15 in each block, as a Q4_1 quantizer leaves them."""
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(n, k)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    packings: dict[str, list[torch.Tensor]] = {"fp32 panels": [], "Q4 panels": []}
+    for _ in range(args.layers):
+        for n, k in SHAPES:
+            w = q4_weight(n, k, gen)
+            packings["fp32 panels"].append(cpu.pack_weight(w))
+            packings["Q4 panels"].append(cpu.pack_weight_compact(w))
+    assert all(p.dtype == torch.uint8 for p in packings["Q4 panels"])
+    print("| rows | fp32 panels (ms) | Q4 panels (ms) | ratio |\n|---|---|---|---|")
+    for rows in map(int, args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
+        times: dict[str, list[float]] = {name: [] for name in packings}
+        for _ in range(args.rounds):
+            for name, packed in packings.items():
+                start = time.perf_counter()
+                for i, p in enumerate(packed):
+                    n, k = SHAPES[i % len(SHAPES)]
+                    cpu.linear(inputs[k], p, n)
+                times[name].append((time.perf_counter() - start) * 1e3)
+        full, q4 = (statistics.median(times[name]) for name in packings)
+        print(f"| {rows} | {full:.2f} | {q4:.2f} | {q4 / full:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
