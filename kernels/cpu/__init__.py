@@ -68,6 +68,8 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; none returns a v
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_q4": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_linear_bf16": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
     "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
                                   _c_int, _c_int, _c_int, _c_float],
@@ -132,16 +134,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+# enum hp_weight_format (ops.h) of each packed dtype: fp32 panels, Q4 panels (bytes), BF16 panels
+WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3}
+
+
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as Q4 panels (uint8) where its values are exactly 4-bit blocks (``q4.py``), else as fp32
-    panels (``pack_weight``); ``linear`` takes either and computes the same bits."""
+    """``weight`` [N, K] in the fewest bytes that hold it exactly, for ``linear``, which computes the same bits from
+    each: Q4 panels (uint8) where its values are 4-bit blocks (``q4.py``), BF16 panels where every value's low 16
+    bits are zero (a bf16 checkpoint loaded as fp32), else fp32 panels (``pack_weight``).
+    NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_BF16=0`` turn either off (for A/B measurements)."""
     _check(weight, torch.float32, "weight")
     packed = q4.pack_weight_q4(weight, _library().hp_panel_width()) if q4.enabled() else None
-    return pack_weight(weight) if packed is None else packed
+    if packed is not None:
+        return packed
+    full = pack_weight(weight)
+    if os.environ.get("HARPOON_CPU_BF16", "1") != "0" and not (weight.contiguous().view(torch.int32) & 0xFFFF).any():
+        return (full.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # the high halves, bit for bit
+    return full
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
-    """(in_features, output columns held) of fp32 or Q4 panels."""
+    """(in_features, output columns held) of fp32, Q4 or BF16 panels."""
+    if packed.dtype not in WEIGHT_FORMATS or packed.dim() != 3:
+        raise ValueError(f"expected packed panels of {sorted(map(str, WEIGHT_FORMATS))}, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
     if packed.dtype == torch.uint8:
         return packed.shape[1] * q4.GROUP, packed.shape[0] * _library().hp_panel_width()
     return packed.shape[1], packed.shape[0] * packed.shape[2]
@@ -157,9 +173,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
     b = 0 if bias is None else bias.contiguous().data_ptr()
-    kernel = _library().hp_linear_q4 if packed.dtype == torch.uint8 else _library().hp_linear
     if m:
-        kernel(x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features, m, out_features, k)
+        _library().hp_linear_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(), b,
+                                    y.data_ptr(), out_features, m, out_features, k)
     return y
 
 

@@ -10,7 +10,7 @@
 
 #include "ops.h"
 
-/* One decoder layer's weights (linear weights packed by hp_pack_weight, or as Q4 panels where its *_q4 flag is set;
+/* One decoder layer's weights (linear weights in the packed format its *_format field names, enum hp_weight_format;
  * absent biases and norms are NULL) and its K/V pools [num_blocks, block_size, num_kv_heads, head_dim]. Field
  * order: LayerWeights in decoder.py, then the pools, then the flags. */
 struct hp_layer {
@@ -20,17 +20,8 @@ struct hp_layer {
     const void *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias, *q_norm, *k_norm;
     float *k_cache, *v_cache;
-    int qkv_q4, o_q4, gate_up_q4, down_q4;
+    int qkv_format, o_format, gate_up_format, down_format;
 };
-
-/* y = x . w^T (+ bias) from either packing of w: the same bits. */
-static void linear(const float *x, int64_t ldx, const void *w, int q4, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K) {
-    if (q4)
-        hp_linear_q4(x, ldx, w, bias, y, ldy, M, N, K);
-    else
-        hp_linear(x, ldx, w, bias, y, ldy, M, N, K);
-}
 
 struct hp_decoder {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
@@ -62,7 +53,7 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
             hp_rms_norm(x, H, L->input_norm, h, T, H, m->eps);
         else /* the previous layer's MLP output joins the residual stream */
             hp_add_rms_norm(out, residual, L->input_norm, h, T, H, m->eps);
-        linear(h, H, L->qkv, L->qkv_q4, L->qkv_bias, qkv, qkv_size, T, qkv_size, H);
+        hp_linear_packed(L->qkv_format, h, H, L->qkv, L->qkv_bias, qkv, qkv_size, T, qkv_size, H);
         if (L->q_norm) /* Qwen3: RMSNorm over each head of q and of k, in place */
             for (int t = 0; t < T; t++) {
                 float *row = qkv + (int64_t)t * qkv_size;
@@ -74,11 +65,11 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
                     kv_size);
         hp_paged_decode_attention(qkv, qkv_size, L->k_cache, L->v_cache, tables, table_stride, seq_lens, attn, q_size,
                                   T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale);
-        linear(attn, q_size, L->o, L->o_q4, L->o_bias, out, H, T, H, q_size);
+        hp_linear_packed(L->o_format, attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);
         hp_add_rms_norm(out, residual, L->post_norm, h, T, H, m->eps);
-        linear(h, H, L->gate_up, L->gate_up_q4, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H);
+        hp_linear_packed(L->gate_up_format, h, H, L->gate_up, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H);
         hp_silu_mul(gate_up, act, T, I);
-        linear(act, I, L->down, L->down_q4, L->down_bias, out, H, T, H, I);
+        hp_linear_packed(L->down_format, act, I, L->down, L->down_bias, out, H, T, H, I);
     }
     hp_add_rms_norm(out, residual, m->final_norm, hidden_out, T, H, m->eps);
 }

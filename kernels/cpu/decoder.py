@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels.cpu import _c_float, _c_i64, _c_int, _check, _library, _ptr, packed_geometry
+from kernels.cpu import WEIGHT_FORMATS, _c_float, _c_i64, _c_int, _check, _library, _ptr, packed_geometry
 
 
 @dataclass
@@ -51,7 +51,7 @@ class DecoderShape:
 
 class _LayerStruct(ctypes.Structure):  # struct hp_layer
     _fields_ = [(f.name, _ptr) for f in fields(LayerWeights)] + [("k_cache", _ptr), ("v_cache", _ptr)] + [
-        (f"{name}_q4", _c_int) for name in _PACKED
+        (f"{name}_format", _c_int) for name in _PACKED
     ]
 
 
@@ -114,13 +114,13 @@ class Decoder:
                 if t is None:
                     continue
                 name = f"layers[{i}].{f.name}"
-                if f.name in _PACKED:  # fp32 or Q4 panels of an (in -> out) weight
+                if f.name in _PACKED:  # fp32, Q4 or BF16 panels of an (in -> out) weight
                     k, n = expected[f.name]
-                    if t.dtype not in (torch.float32, torch.uint8) or not t.is_contiguous():
-                        raise ValueError(f"{name}: expected contiguous fp32 or Q4 panels, got {t.dtype}")
+                    if t.dtype not in WEIGHT_FORMATS or not t.is_contiguous():
+                        raise ValueError(f"{name}: expected contiguous packed panels, got {t.dtype}")
                     if t.dim() != 3 or packed_geometry(t)[0] != k or packed_geometry(t)[1] < n:
                         raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
-                    setattr(self._layers[i], f"{f.name}_q4", int(t.dtype == torch.uint8))
+                    setattr(self._layers[i], f"{f.name}_format", WEIGHT_FORMATS[t.dtype])
                 else:
                     _contiguous(t, name)
                     if tuple(t.shape) != expected[f.name]:

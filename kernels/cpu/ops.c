@@ -131,8 +131,8 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
  * int8 layout (see hp_linear_i8) puts four consecutive k of one column in each 32-bit lane instead. */
 static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v8f); }
 
-/* The formats of packed weights; one body of the micro-kernel is compiled for each. */
-enum { F32_PANELS, I8_PANELS, Q4_PANELS };
+/* The formats of packed weights (HP_F32 ... in ops.h); one body of the micro-kernel is compiled for each. */
+enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16 };
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
  * Q4_1 blocks, as the default SmolLM2 weights are): for each 32 k of a panel, d [NR] and m [NR] as floats, then
@@ -142,6 +142,13 @@ enum { F32_PANELS, I8_PANELS, Q4_PANELS };
 #define Q4_BLOCK_BYTES (2 * NR * 4 + Q4_GROUP * NR / 2)
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
+typedef unsigned short v8hu __attribute__((vector_size(16), aligned(2)));
+
+/* Eight bf16 weights as the fp32 values they are (the high half of each float). BF16 panels hold weights whose low
+ * 16 bits are zero (a bf16 checkpoint loaded as fp32) in the fp32 panel layout at half the bytes. */
+static inline v8f bf16_load8(const unsigned short *p) {
+    return (v8f)(__builtin_convertvector(*(const v8hu *)p, v8i) << 16);
+}
 
 /* Weight kk (0..7) of the eight k in each lane of a Q4 nibble vector, dequantized: d q + m. d q is exact (an fp16 d
  * times a 4-bit q), so the one rounding of the add (fused or not) gives the bits of the fp32 weight. */
@@ -178,6 +185,12 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
         for (int k = 0; k < kc; k++) {
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) b[v] = load8((const float *)panel + (int64_t)k * NR + 8 * v);
+            accumulate(rows, c, x, ldx, k, b);
+        }
+    } else if (format == BF16_PANELS) {
+        for (int k = 0; k < kc; k++) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) b[v] = bf16_load8((const unsigned short *)panel + (int64_t)k * NR + 8 * v);
             accumulate(rows, c, x, ldx, k, b);
         }
     } else if (format == I8_PANELS) {
@@ -235,8 +248,12 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-/* A Q4 panel's kc x NR slice as the fp32 panel slice of the same weights (kc % Q4_GROUP == 0). */
-static void q4_unpack(const void *panel, int kc, float *out) {
+/* A Q4 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (Q4: kc % Q4_GROUP == 0). */
+static void unpack(const void *panel, int kc, float *out, int format) {
+    if (format == BF16_PANELS) {
+        for (int64_t i = 0; i < (int64_t)kc * NR; i += 8) store8(out + i, bf16_load8((const unsigned short *)panel + i));
+        return;
+    }
     for (int k = 0; k < kc; k += Q4_GROUP) {
         const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
         const v8iu *nibbles = (const v8iu *)(block + 2 * NR * sizeof(float));
@@ -254,6 +271,7 @@ static void q4_unpack(const void *panel, int kc, float *out) {
 /* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % Q4_GROUP == 0 for Q4). */
 static inline int64_t panel_bytes(int64_t k, int format) {
     if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
+    if (format == BF16_PANELS) return k * NR * 2;
     return format == I8_PANELS ? k * NR : k / Q4_GROUP * Q4_BLOCK_BYTES;
 }
 
@@ -292,20 +310,21 @@ static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float
     panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
 }
 
-/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A Q4 slice that more than one row
- * block reads is unpacked to fp32 once, so its dequantization is not repeated for every MR rows. */
+/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A Q4 or BF16 slice that more than
+ * one row block reads is unpacked to fp32 once, so its widening is not repeated for every MR rows. */
 static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
                                                                 const void *packed, const float *bias,
                                                                 const float *scales, float *y, int64_t ldy, int N,
                                                                 int K, int format) {
     int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-    float unpacked[format == Q4_PANELS ? KC * NR : 1] __attribute__((aligned(64)));
+    const int widened = format == Q4_PANELS || format == BF16_PANELS;
+    float unpacked[widened ? KC * NR : 1] __attribute__((aligned(64)));
     for (int k0 = 0; k0 < K; k0 += KC) {
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
         int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + KC >= K;
         const float *b = bias && last ? bias + n0 : 0, *sc = scales && last ? scales + n0 : 0;
-        if (format == Q4_PANELS && m1 - m0 > MR) {
-            q4_unpack(panel, kc, unpacked);
+        if (widened && m1 - m0 > MR) {
+            unpack(panel, kc, unpacked, format);
             panel_rows_f32(m0, m1, x + k0, ldx, unpacked, kc, y + n0, ldy, cols, b, first);
         } else {
             panel_rows(m0, m1, x + k0, ldx, panel, kc, y + n0, ldy, cols, b, sc, first, format);
@@ -325,15 +344,18 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
  * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 5-6% faster than
  * KC = 256 at 16 and 64 rows, the same at 1 and 256 (python -m loadtest.kernel_ab); 160 GFLOP/s on two cores from
  * 64 rows on, ~90% of their FMA peak.
- * NOTE: hp_linear, hp_linear_i8 and hp_linear_q4 each have their own parallel loop, so OpenMP outlines one body
- * per weight format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
+ * NOTE: each weight format's entry point has its own parallel loop (LINEAR_LOOP), so OpenMP outlines one body per
+ * format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
+#define LINEAR_LOOP(bias, scales, format)                                                                             \
+    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
+        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
+        _Pragma("omp parallel for schedule(dynamic, 1)") for (int p = 0; p < (N + NR - 1) / NR; p++)                  \
+            panel_product(p, m0, m1, x, ldx, packed, bias, scales, y, ldy, N, K, format);                             \
+    }
+
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K) {
-    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, F32_PANELS);
-    }
+    LINEAR_LOOP(bias, 0, F32_PANELS)
 }
 
 /* hp_linear for the same weights packed as Q4 panels (hp_pack_weight_q4; K % Q4_GROUP == 0): the same bits, from
@@ -341,12 +363,25 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
  * streams 0.75 bytes a weight from memory instead of 4; more rows share one fp32 copy of each panel slice. */
 void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
                   int N, int K) {
-    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < (N + NR - 1) / NR; p++)
-            panel_product(p, m0, m1, x, ldx, packed, bias, 0, y, ldy, N, K, Q4_PANELS);
-    }
+    LINEAR_LOOP(bias, 0, Q4_PANELS)
+}
+
+/* hp_linear for the same weights in BF16 panels (every weight's low 16 bits zero): the same bits from half the
+ * bytes. */
+void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                    int N, int K) {
+    LINEAR_LOOP(bias, 0, BF16_PANELS)
+}
+
+/* hp_linear, hp_linear_q4 or hp_linear_bf16, by the format the weight was packed in (HP_I8 is not one). */
+void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                      int64_t ldy, int M, int N, int K) {
+    if (format == HP_Q4)
+        hp_linear_q4(x, ldx, packed, bias, y, ldy, M, N, K);
+    else if (format == HP_BF16)
+        hp_linear_bf16(x, ldx, packed, bias, y, ldy, M, N, K);
+    else
+        hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
 }
 
 /* y [M, N] ~= x . w^T for int8 panels and per-column scales [>= N]: a quarter of the fp32 weight's bytes, for
@@ -354,11 +389,7 @@ void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *
  * [K / 4, NV, 8, 4]: lane l of vector v holds column 8 v + l at four consecutive k, low byte first; K % 4 == 0. */
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
                   int M, int N, int K) {
-    for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product(p, m0, m1, x, ldx, packed, 0, scales, y, ldy, N, K, I8_PANELS);
-    }
+    LINEAR_LOOP(0, scales, I8_PANELS)
 }
 
 typedef double v4d __attribute__((vector_size(32), aligned(8)));

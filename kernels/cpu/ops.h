@@ -3,10 +3,18 @@
 #define HARPOON_OPS_H
 #include <stdint.h>
 
+/* Formats of packed linear weights: fp32 panels (hp_pack_weight), int8 panels with per-column scales (approximate,
+ * for the screened LM head), Q4 panels and BF16 panels (the same fp32 values in fewer bytes; kernels/cpu/q4.py). */
+enum hp_weight_format { HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3 };
+
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
 void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
                   int N, int K);
+void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                    int N, int K);
+void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                      int64_t ldy, int M, int N, int K);
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
                   int M, int N, int K);
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,

@@ -5,9 +5,9 @@ the memory's bandwidth. The default SmolLM2 weights come from a GGUF file in Q4_
 an output share a d and an m (fp16), and each weight is exactly ``d q + m`` with q in 0..15. Loaded as fp32 they
 take 4 bytes a weight; as Q4 panels 0.75, and the kernel rebuilds the very fp32 values in registers, so products
 are bit-identical to the fp32 panels' (tested). Nothing is approximated: a weight is packed this way only when
-every one of its values is reproduced exactly, so checkpoints in bf16 or fp32 keep their fp32 panels.
+every one of its values is reproduced exactly; others take BF16 or fp32 panels (``pack_weight_compact``).
 
-NOTE: ``HARPOON_CPU_Q4=0`` keeps every weight in fp32 panels (for A/B measurements).
+NOTE: ``HARPOON_CPU_Q4=0`` keeps such weights in fp32 panels (for A/B measurements).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The projections of one SmolLM2-135M decode step from Q4 panels against fp32 panels of the same weights.
+"""The projections of one SmolLM2-135M decode step from compact panels (Q4 or BF16) against fp32 panels of the
+same weights.
 
-Thirty layers of random weights on the Q4_1 grid (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down
+Thirty layers of random weights on the format's grid (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down
 1536 -> 576), each layer its own, so every call streams its weights from memory as a real step does. The two
 packings run interleaved, round by round; medians in ms. Each point includes the Python call per projection
 (120 of them); the C decoder makes none.
 
-    python -m loadtest.q4_gemm --rows 1,2,4,8,16,64
+    python -m loadtest.compact_gemm --rows 1,2,4,8,16,64            # Q4 panels
+    python -m loadtest.compact_gemm --format bf16
 """
 
 from __future__ import annotations
@@ -33,21 +35,31 @@ def q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
+def bf16_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+
+
+GRIDS = {"q4": (q4_weight, torch.uint8), "bf16": (bf16_weight, torch.bfloat16)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,64")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--format", default="q4", choices=sorted(GRIDS))
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    packings: dict[str, list[torch.Tensor]] = {"fp32 panels": [], "Q4 panels": []}
+    make, dtype = GRIDS[args.format]
+    compact = f"{args.format.upper()} panels"
+    packings: dict[str, list[torch.Tensor]] = {"fp32 panels": [], compact: []}
     for _ in range(args.layers):
         for n, k in SHAPES:
-            w = q4_weight(n, k, gen)
+            w = make(n, k, gen)
             packings["fp32 panels"].append(cpu.pack_weight(w))
-            packings["Q4 panels"].append(cpu.pack_weight_compact(w))
-    assert all(p.dtype == torch.uint8 for p in packings["Q4 panels"])
-    print("| rows | fp32 panels (ms) | Q4 panels (ms) | ratio |\n|---|---|---|---|")
+            packings[compact].append(cpu.pack_weight_compact(w))
+    assert all(p.dtype == dtype for p in packings[compact])
+    print(f"| rows | fp32 panels (ms) | {compact} (ms) | ratio |\n|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
         times: dict[str, list[float]] = {name: [] for name in packings}
@@ -58,8 +70,8 @@ def main() -> None:
                     n, k = SHAPES[i % len(SHAPES)]
                     cpu.linear(inputs[k], p, n)
                 times[name].append((time.perf_counter() - start) * 1e3)
-        full, q4 = (statistics.median(times[name]) for name in packings)
-        print(f"| {rows} | {full:.2f} | {q4:.2f} | {q4 / full:.2f} |", flush=True)
+        full, small = (statistics.median(times[name]) for name in packings)
+        print(f"| {rows} | {full:.2f} | {small:.2f} | {small / full:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

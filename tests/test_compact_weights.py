@@ -1,5 +1,6 @@
-"""Weights that are exactly 4-bit blocks (GGUF Q4_1, as the default model's) run from Q4 panels: the same bits as
-the fp32 panels of the same weights, from the kernel alone up to a whole model's logprobs."""
+"""Weights held in fewer bytes where that is exact: 4-bit blocks (GGUF Q4_1, as the default model's) in Q4 panels,
+bf16 values in BF16 panels. Either gives the same bits as the fp32 panels of the same weights, from the kernel alone
+up to a whole model's logprobs."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def test_q4_blocks_give_back_the_grid_exactly():
     assert cpu.pack_weight_compact(constant).dtype == torch.uint8
 
 
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 90])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 20)])
+def test_bf16_panels_compute_the_bits_of_fp32_panels(m, k, n):
+    gen = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+    compact, full = cpu.pack_weight_compact(w), cpu.pack_weight(w)
+    assert compact.dtype == torch.bfloat16 and compact.shape == full.shape
+    assert torch.equal(compact.float(), full)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    assert torch.equal(bits(cpu.linear(x, compact, n, bias)), bits(cpu.linear(x, full, n, bias)))
+
+
 def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     w = to_q4_grid(torch.randn(24, 64))
     assert cpu.pack_weight_compact(w).dtype == torch.uint8
@@ -65,44 +78,50 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     assert cpu.pack_weight_compact(nan).dtype == torch.float32
     assert cpu.pack_weight_compact(torch.randn(24, 64)).dtype == torch.float32  # fp32 checkpoints
     assert cpu.pack_weight_compact(to_q4_grid(torch.randn(8, 64))[:, :48].contiguous()).dtype == torch.float32
+    bf16 = torch.randn(24, 64).to(torch.bfloat16).float()
+    assert cpu.pack_weight_compact(bf16).dtype == torch.bfloat16
+    bf16[3, 3] = torch.nextafter(bf16[3, 3], torch.tensor(10.0))  # one value with a low bit set
+    assert cpu.pack_weight_compact(bf16).dtype == torch.float32
     monkeypatch.setenv("HARPOON_CPU_Q4", "0")
     assert cpu.pack_weight_compact(w).dtype == torch.float32
+    monkeypatch.setenv("HARPOON_CPU_BF16", "0")
+    assert cpu.pack_weight_compact(bf16.to(torch.bfloat16).float()).dtype == torch.float32
 
 
-@pytest.fixture(scope="module")
-def q4_tiny_model(tiny_model, tmp_path_factory):
-    """The tiny Llama with every projection snapped to Q4_1 blocks; the embeddings and untied head stay fp32."""
+GRIDS = {  # how a checkpoint's projections are snapped, the switch that turns their format off, its packed dtype
+    "q4": (to_q4_grid, "HARPOON_CPU_Q4", torch.uint8),
+    "bf16": (lambda w: w.to(torch.bfloat16).float(), "HARPOON_CPU_BF16", torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tiny_model, tmp_path, monkeypatch):
+    """The tiny Llama with every projection snapped to the grid (embeddings and the untied head stay fp32): the
+    same logprobs with the format on and off, and transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    snap, switch, dtype = GRIDS[grid]
     source = tiny_model("llama-mha-untied-llama3-rope")
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith("proj.weight"):
-                param.copy_(to_q4_grid(param))
-    folder = tmp_path_factory.mktemp("q4-llama")
-    hf.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-    return folder
-
-
-def test_a_q4_model_runs_from_q4_panels_with_the_bits_of_fp32_panels(q4_tiny_model, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
+                param.copy_(snap(param))
+    hf.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 30, 70)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     results = []
     for enabled in ("1", "0"):
-        monkeypatch.setenv("HARPOON_CPU_Q4", enabled)
-        llm = LLM(str(q4_tiny_model), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
+        monkeypatch.setenv(switch, enabled)
+        llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
                   max_num_batched_tokens=32)
         model = llm.engine.model
         formats = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
-        assert formats == ({torch.uint8, torch.float32} if enabled == "1" else {torch.float32})
+        assert formats == ({dtype, torch.float32} if enabled == "1" else {torch.float32})
         assert model.lm_head.packed.dtype == torch.float32  # the screened greedy head reads fp32 panels
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
-    hf = AutoModelForCausalLM.from_pretrained(q4_tiny_model, dtype=torch.float32).eval()
     assert [ids for ids, _ in results[0]] == [hf_greedy(hf, p, 16) for p in prompts]
