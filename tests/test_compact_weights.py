@@ -125,3 +125,13 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
     assert [ids for ids, _ in results[0]] == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_linear_refuses_what_is_not_packed_panels():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="Q4 panels hold .* bytes per 32 inputs"):
+        cpu.linear(x, torch.zeros(1, 2, 5, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="expected packed panels"):
+        cpu.linear(x, torch.zeros(1, 64, 24, dtype=torch.int8), 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.linear(x, cpu.pack_weight_compact(to_q4_grid(torch.randn(8, 96))), 8)

@@ -50,8 +50,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack_for_cpu_kernels(self, compact: bool = True) -> None:
-        """``compact``: as Q4 panels where the weight is exactly 4-bit blocks (``kernels/cpu/q4.py``; the same
-        products from less memory traffic), else fp32 panels."""
+        """``compact``: as Q4 or BF16 panels where either holds the weight exactly (``pack_weight_compact``: the
+        same products from less memory traffic), else fp32 panels."""
         weight = self.weight.detach()
         self.packed = cpu_kernels.pack_weight_compact(weight) if compact else cpu_kernels.pack_weight(weight)
         self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)

@@ -159,7 +159,10 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"expected packed panels of {sorted(map(str, WEIGHT_FORMATS))}, got {packed.dtype} "
                          f"{tuple(packed.shape)}")
     if packed.dtype == torch.uint8:
-        return packed.shape[1] * q4.GROUP, packed.shape[0] * _library().hp_panel_width()
+        width = _library().hp_panel_width()
+        if packed.shape[2] != q4.block_bytes(width):
+            raise ValueError(f"Q4 panels hold {q4.block_bytes(width)} bytes per 32 inputs, got {tuple(packed.shape)}")
+        return packed.shape[1] * q4.GROUP, packed.shape[0] * width
     return packed.shape[1], packed.shape[0] * packed.shape[2]
 
 
