@@ -28,12 +28,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf (min_tokens)
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch, None if nobody asked
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Every row takes the argmax of its raw logits: nothing changes them and nobody asked for logprobs."""
-        return (self.all_greedy and self.logit_bias is None and self.banned is None
-                and self.repetition_penalty is None and self.max_num_logprobs is None)
+    # Every row takes the argmax of its raw logits (SamplingParams.plain_argmax, and no token banned for min_tokens).
+    plain_greedy: bool
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -83,4 +79,5 @@ class SamplingMetadata:
             logit_bias=(column(bias_rows, long), column(bias_ids, long), column(bias_values)) if bias_rows else None,
             banned=(column(ban_rows, long), column(ban_ids, long)) if ban_rows else None,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            plain_greedy=all(p.plain_argmax for p in params) and not ban_rows,
         )

@@ -91,3 +91,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def plain_argmax(self) -> bool:
+        """The token is the argmax of the raw logits: greedy, no bias or penalty changes them, and no logprobs are
+        asked for. (A pending ``min_tokens`` may still ban tokens: that depends on the request's progress.)"""
+        return self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None

@@ -28,9 +28,7 @@ from engine.request import Request
 
 def can_draft(request: Request) -> bool:
     """Whether the request's next tokens are plain argmaxes, so a draft is verified by comparing token ids."""
-    p = request.sampling_params
-    return (p.greedy and not p.logit_bias and not p.has_penalties and p.logprobs is None
-            and request.num_output_tokens >= p.min_tokens)
+    return request.sampling_params.plain_argmax and request.num_output_tokens >= request.sampling_params.min_tokens
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
