@@ -39,6 +39,11 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @property
+    def max_prefill_seq_len(self) -> int:
+        """The longest context among the requests past the decodes (0 where every request decodes)."""
+        return max(self.seq_lens_cpu[self.num_decodes :], default=0)
+
     def to(self, device: torch.device) -> AttentionMetadata:
         return dataclasses.replace(
             self, slot_mapping=self.slot_mapping.to(device), query_start_loc=self.query_start_loc.to(device),

@@ -77,9 +77,8 @@ class CudaGraphs:
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether a step with this (host) metadata can run from a graph."""
-        nd = meta.num_decodes
         return (meta.slot_mapping.shape[0] <= self.max_num_tokens and meta.num_reqs <= self.max_num_seqs
-                and (nd == meta.num_reqs or max(meta.seq_lens_cpu[nd:]) <= MAX_PREFILL_CONTEXT))
+                and meta.max_prefill_seq_len <= MAX_PREFILL_CONTEXT)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -213,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.cpu_decoder is not None and (
             meta.max_query_len <= CPU_DECODER_MAX_QUERY_LEN
-            or max(meta.seq_lens_cpu[meta.num_decodes :]) <= CPU_DECODER_MAX_PREFILL_CONTEXT
+            or meta.max_prefill_seq_len <= CPU_DECODER_MAX_PREFILL_CONTEXT
         ):
             return self._cpu_decoder_forward(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
