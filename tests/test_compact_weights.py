@@ -1,6 +1,6 @@
-"""Weights held in fewer bytes where that is exact: 4-bit blocks (GGUF Q4_1, as the default model's) in Q4 panels,
-bf16 values in BF16 panels. Either gives the same bits as the fp32 panels of the same weights, from the kernel alone
-up to a whole model's logprobs."""
+"""Weights held in fewer bytes where that is exact: 4-bit blocks (GGUF Q4_1, as the default model's projections) in
+Q4 panels, 8-bit blocks (GGUF Q8_0, as its embedding and LM head) in Q8 panels, bf16 values in BF16 panels. Each
+gives the same bits as the fp32 panels of the same weights, from the kernel alone up to a whole model's logprobs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels import cpu
-from kernels.cpu import q4
+from kernels.cpu import blocks
 from tests.conftest import hf_greedy
 
 
@@ -26,17 +26,29 @@ def to_q4_grid(w: torch.Tensor) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
+def to_q8_grid(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] rounded to Q8_0 blocks as llama.cpp quantizes: per 32 inputs, d = max |x| / 127 (stored as
+    fp16, while q = round(x / d) uses the unrounded d), each value fp16(d) q."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127).to(torch.int8)  # no -0
+    return (d.half().float() * q).reshape(n, k)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 90, 300])  # in registers up to 4 rows; unpacked from 5; row blocks
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 20), (1536, 576), (32, 49)])
-def test_q4_panels_compute_the_bits_of_fp32_panels(m, k, n):
+@pytest.mark.parametrize("grid", ["q4", "q8"])
+def test_block_panels_compute_the_bits_of_fp32_panels(grid, m, k, n):
+    snap, _, dtype = GRIDS[grid]
     gen = torch.Generator().manual_seed(m * 1000 + n)
-    w = to_q4_grid(torch.randn(n, k, generator=gen) * 0.1)
+    w = snap(torch.randn(n, k, generator=gen) * 0.1)
     compact, full = cpu.pack_weight_compact(w), cpu.pack_weight(w)
-    assert compact.dtype == torch.uint8 and compact.numel() < full.numel()
+    assert compact.dtype == dtype and compact.numel() * compact.element_size() < full.numel() * 4 / 3  # bytes
     x, bias = torch.randn(m, k + 7, generator=gen)[:, 3 : 3 + k], torch.randn(n, generator=gen)  # strided rows
     assert torch.equal(bits(cpu.linear(x, compact, n)), bits(cpu.linear(x, full, n)))
     assert torch.equal(bits(cpu.linear(x, compact, n, bias)), bits(cpu.linear(x, full, n, bias)))
@@ -46,12 +58,25 @@ def test_q4_panels_compute_the_bits_of_fp32_panels(m, k, n):
 
 def test_q4_blocks_give_back_the_grid_exactly():
     w = to_q4_grid(torch.randn(7, 64))
-    d, m, q = q4.q4_blocks(w)
+    d, m, q = blocks.q4_blocks(w)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
     assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())
     assert torch.equal(bits((d.unsqueeze(-1) * q + m.unsqueeze(-1)).reshape(7, 64)), bits(w))
     constant = torch.full((3, 32), -0.5)  # d = 0: every q is 0
     assert cpu.pack_weight_compact(constant).dtype == torch.uint8
+
+
+def test_q8_blocks_give_back_the_grid_exactly():
+    w = to_q8_grid(torch.randn(7, 64))
+    assert blocks.q4_blocks(w) is None
+    d, q = blocks.q8_blocks(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert torch.equal(d, d.half().float())
+    assert torch.equal(bits((d.unsqueeze(-1) * q).reshape(7, 64)), bits(w))
+    zeros = torch.zeros(3, 32)  # d = 0: every q is 0
+    assert blocks.q8_blocks(zeros) is not None
+    assert cpu.pack_weight_compact(zeros).dtype == torch.uint8  # on both grids: Q4, the fewer bytes
+    assert cpu.pack_weight_compact(to_q8_grid(torch.randn(24, 64))).dtype == torch.int8
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 90])
@@ -71,7 +96,7 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     assert cpu.pack_weight_compact(w).dtype == torch.uint8
     off = w.clone()
     off[5, 40] = torch.nextafter(off[5, 40], torch.tensor(1.0))  # one value one ulp off its block's grid
-    assert q4.q4_blocks(off) is None
+    assert blocks.q4_blocks(off) is None
     assert cpu.pack_weight_compact(off).dtype == torch.float32
     nan = w.clone()
     nan[0, 0] = float("nan")
@@ -82,22 +107,39 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     assert cpu.pack_weight_compact(bf16).dtype == torch.bfloat16
     bf16[3, 3] = torch.nextafter(bf16[3, 3], torch.tensor(10.0))  # one value with a low bit set
     assert cpu.pack_weight_compact(bf16).dtype == torch.float32
+    q8 = to_q8_grid(torch.randn(24, 64))
+    assert cpu.pack_weight_compact(q8).dtype == torch.int8
+    q = torch.randint(-127, 128, (32,)).float()
+    q[0] = 127
+    wide_d = q8.clone()
+    wide_d[2, :32] = q / 3  # exactly d q, but d = 1/3 is no fp16 value
+    off, inf, negative_zero = q8.clone(), q8.clone(), q8.clone()
+    off[2, 7] = torch.nextafter(off[2, 7], torch.tensor(10.0))  # one value one ulp off its block's grid
+    inf[2, 7] = float("inf")
+    negative_zero[2, 7] = -0.0  # d q gives +0.0 only
+    for bad in (wide_d, off, inf, negative_zero):
+        assert blocks.q8_blocks(bad) is None
+        assert cpu.pack_weight_compact(bad).dtype == torch.float32
+    monkeypatch.setenv("HARPOON_CPU_Q8", "0")
+    assert cpu.pack_weight_compact(q8).dtype == torch.float32
     monkeypatch.setenv("HARPOON_CPU_Q4", "0")
     assert cpu.pack_weight_compact(w).dtype == torch.float32
     monkeypatch.setenv("HARPOON_CPU_BF16", "0")
     assert cpu.pack_weight_compact(bf16.to(torch.bfloat16).float()).dtype == torch.float32
 
 
-GRIDS = {  # how a checkpoint's projections are snapped, the switch that turns their format off, its packed dtype
+GRIDS = {  # how a checkpoint's weights are snapped, the switch that turns their format off, its packed dtype
     "q4": (to_q4_grid, "HARPOON_CPU_Q4", torch.uint8),
+    "q8": (to_q8_grid, "HARPOON_CPU_Q8", torch.int8),
     "bf16": (lambda w: w.to(torch.bfloat16).float(), "HARPOON_CPU_BF16", torch.bfloat16),
 }
 
 
 @pytest.mark.parametrize("grid", sorted(GRIDS))
 def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tiny_model, tmp_path, monkeypatch):
-    """The tiny Llama with every projection snapped to the grid (embeddings and the untied head stay fp32): the
-    same logprobs with the format on and off, and transformers' greedy tokens."""
+    """The tiny Llama with every projection and its untied LM head snapped to the grid: the same logprobs with the
+    format on and off, and transformers' greedy tokens. A head of Q4 or Q8 blocks takes their panels and is not
+    screened; a bf16 one keeps fp32 panels, which the screened greedy head reads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     snap, switch, dtype = GRIDS[grid]
@@ -105,7 +147,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith("proj.weight") or name == "lm_head.weight":
                 param.copy_(snap(param))
     hf.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path)
@@ -118,9 +160,11 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
         llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
                   max_num_batched_tokens=32)
         model = llm.engine.model
+        head = dtype if enabled == "1" and grid != "bf16" else torch.float32
         formats = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
-        assert formats == ({dtype, torch.float32} if enabled == "1" else {torch.float32})
-        assert model.lm_head.packed.dtype == torch.float32  # the screened greedy head reads fp32 panels
+        assert formats == ({dtype, head} if enabled == "1" else {torch.float32})
+        assert model.lm_head.packed.dtype == head
+        assert (model.greedy_head is None) == (head != torch.float32)
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
@@ -131,7 +175,9 @@ def test_linear_refuses_what_is_not_packed_panels():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="Q4 panels hold .* bytes per 32 inputs"):
         cpu.linear(x, torch.zeros(1, 2, 5, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="Q8 panels hold .* bytes per 32 inputs"):
+        cpu.linear(x, torch.zeros(1, 64, 24, dtype=torch.int8), 4)  # int8 panels of the screened head
     with pytest.raises(ValueError, match="expected packed panels"):
-        cpu.linear(x, torch.zeros(1, 64, 24, dtype=torch.int8), 4)
+        cpu.linear(x, cpu.pack_weight_int8(torch.randn(24, 64))[0], 4)
     with pytest.raises(ValueError, match="does not fit"):
         cpu.linear(x, cpu.pack_weight_compact(to_q4_grid(torch.randn(8, 96))), 8)

@@ -1,8 +1,8 @@
 """Greedy tokens from the fp32 LM head while reading a quarter of its bytes, with the same result as the full head.
 
 At batch 1 a CPU decode step is bound by streaming every weight once, and a small model's LM head is a large part
-of them (SmolLM2-135M: 113 of 540 MB). A greedy row needs only the argmax of its logits. An int8 copy of the head
-gives approximate logits ``a``, and for every vocabulary row j a bound ``|a_j - l_j| <= ||h|| e_j`` holds, where
+of them (SmolLM2-135M in fp32: 113 of 540 MB). A greedy row needs only the argmax of its logits. An int8 copy of the
+head gives approximate logits ``a``, and for every vocabulary row j a bound ``|a_j - l_j| <= ||h|| e_j`` holds, where
 ``l`` are the logits the fp32 head computes for the hidden state ``h`` (``e`` from ``row_error_bounds``). The
 argmax of ``l`` is at least the largest lower bound ``max_j (a_j - ||h|| e_j)``, so only the j whose upper bound
 reaches it can be the argmax. Those candidates (a median of 3 per token on SmolLM2, at most 37) are computed
@@ -41,6 +41,16 @@ def row_error_bounds(weight: torch.Tensor, quantized: torch.Tensor, scales: torc
     g = (k + 1) * u / (1 - (k + 1) * u)
     e = (w_hat - w).norm(dim=1) + g * (w_hat.norm(dim=1) + w.norm(dim=1))
     return e * (1 + 2.0**-20)
+
+
+def pack_head(weight: torch.Tensor) -> torch.Tensor:
+    """An LM head's panels: Q4 or Q8 where they hold it exactly (``pack_weight_blocks``), else fp32 panels, which a
+    ``ScreenedGreedyHead`` screens. NOTE: the full product from Q8 panels (1.125 bytes a weight) took as long as
+    the screen at 1-2 rows and less from 4 (SmolLM2's Q8_0 embedding: 3.2 / 2.6 / 3.2 / 5.4 ms at 1 / 2 / 4 / 8 rows
+    against 3.0 / 2.6 / 3.8 / 6.3, fp32 panels 6.5 / 5.7 / 5.5 / 7.3), so such a head is not screened; bf16 values
+    keep fp32 panels here, as BF16 panels (2 bytes) would read more than the screen's int8 copy."""
+    packed = cpu_kernels.pack_weight_blocks(weight)
+    return cpu_kernels.pack_weight(weight) if packed is None else packed
 
 
 class ScreenedGreedyHead:

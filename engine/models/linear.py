@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,11 +50,11 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
-    def pack_for_cpu_kernels(self, compact: bool = True) -> None:
-        """``compact``: as Q4 or BF16 panels where either holds the weight exactly (``pack_weight_compact``: the
-        same products from less memory traffic), else fp32 panels."""
-        weight = self.weight.detach()
-        self.packed = cpu_kernels.pack_weight_compact(weight) if compact else cpu_kernels.pack_weight(weight)
+    def pack_for_cpu_kernels(self, pack: Callable[[torch.Tensor], torch.Tensor] = cpu_kernels.pack_weight_compact
+                             ) -> None:
+        """Packs the weight with ``pack``; by default in the fewest bytes that hold it exactly (Q4, Q8 or BF16
+        panels: the same products from less memory traffic), else as fp32 panels."""
+        self.packed = pack(self.weight.detach())
         self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

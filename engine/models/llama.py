@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, make_attention
-from engine.models.greedy_head import ScreenedGreedyHead
+from engine.models.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear, linear
 from engine.models.rotary import RotaryEmbedding
 from kernels import cpu as cpu_kernels
@@ -266,14 +266,15 @@ class LlamaForCausalLM(nn.Module):
         weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
         ("cpu") is chosen at construction."""
         for module in self.modules():
-            if isinstance(module, Linear):  # an untied head stays fp32: the screened greedy head reads its panels
-                module.pack_for_cpu_kernels(compact=module is not self.lm_head)
+            if isinstance(module, Linear):
+                module.pack_for_cpu_kernels(pack_head if module is self.lm_head else cpu_kernels.pack_weight_compact)
         self._use_ops(cpu_kernels)
         # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
         if self.lm_head is None:
-            self.packed_tied_head = cpu_kernels.pack_weight(self.embed_tokens.weight.detach())
+            self.packed_tied_head = pack_head(self.embed_tokens.weight.detach())
         head = self.packed_tied_head if self.lm_head is None else self.lm_head.packed
-        if head.shape[1] % 4 == 0 and (self.lm_head is None or self.lm_head.bias is None):
+        screens = head.dtype == torch.float32 and head.shape[1] % 4 == 0
+        if screens and (self.lm_head is None or self.lm_head.bias is None):
             self.greedy_head = ScreenedGreedyHead(head, self.config.vocab_size)
         self.cpu_decoder = self._cpu_decoder()
 

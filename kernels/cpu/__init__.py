@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import q4
+from kernels.cpu import blocks
 
 _SOURCES = (Path(__file__).with_name("ops.c"), Path(__file__).with_name("decoder.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
@@ -68,6 +68,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; none returns a v
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_q4": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_linear_q8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_bf16": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
@@ -134,17 +135,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-# enum hp_weight_format (ops.h) of each packed dtype: fp32 panels, Q4 panels (bytes), BF16 panels
-WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3}
+# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels
+WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4}
+
+
+def pack_weight_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] as Q4 panels (uint8) where its values are 4-bit blocks, as Q8 panels (int8) where they
+    are 8-bit blocks (``blocks.py``), else None."""
+    _check(weight, torch.float32, "weight")
+    width = _library().hp_panel_width()
+    packed = blocks.pack_weight_q4(weight, width) if blocks.q4_enabled() else None
+    if packed is None and blocks.q8_enabled():
+        packed = blocks.pack_weight_q8(weight, width)
+    return packed
 
 
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] in the fewest bytes that hold it exactly, for ``linear``, which computes the same bits from
-    each: Q4 panels (uint8) where its values are 4-bit blocks (``q4.py``), BF16 panels where every value's low 16
-    bits are zero (a bf16 checkpoint loaded as fp32), else fp32 panels (``pack_weight``).
-    NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_BF16=0`` turn either off (for A/B measurements)."""
-    _check(weight, torch.float32, "weight")
-    packed = q4.pack_weight_q4(weight, _library().hp_panel_width()) if q4.enabled() else None
+    each: Q4 or Q8 panels where its values are such blocks (``pack_weight_blocks``), BF16 panels where every
+    value's low 16 bits are zero (a bf16 checkpoint loaded as fp32), else fp32 panels (``pack_weight``).
+    NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_Q8=0`` / ``HARPOON_CPU_BF16=0`` turn each off (for A/B
+    measurements)."""
+    packed = pack_weight_blocks(weight)
     if packed is not None:
         return packed
     full = pack_weight(weight)
@@ -154,15 +166,16 @@ def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
-    """(in_features, output columns held) of fp32, Q4 or BF16 panels."""
+    """(in_features, output columns held) of fp32, Q4, Q8 or BF16 panels."""
     if packed.dtype not in WEIGHT_FORMATS or packed.dim() != 3:
         raise ValueError(f"expected packed panels of {sorted(map(str, WEIGHT_FORMATS))}, got {packed.dtype} "
                          f"{tuple(packed.shape)}")
-    if packed.dtype == torch.uint8:
-        width = _library().hp_panel_width()
-        if packed.shape[2] != q4.block_bytes(width):
-            raise ValueError(f"Q4 panels hold {q4.block_bytes(width)} bytes per 32 inputs, got {tuple(packed.shape)}")
-        return packed.shape[1] * q4.GROUP, packed.shape[0] * width
+    block_bytes = {torch.uint8: blocks.q4_block_bytes, torch.int8: blocks.q8_block_bytes}.get(packed.dtype)
+    if block_bytes is not None:
+        width, name = _library().hp_panel_width(), "Q4" if packed.dtype == torch.uint8 else "Q8"
+        if packed.shape[2] != block_bytes(width):
+            raise ValueError(f"{name} panels hold {block_bytes(width)} bytes per 32 inputs, got {tuple(packed.shape)}")
+        return packed.shape[1] * blocks.GROUP, packed.shape[0] * width
     return packed.shape[1], packed.shape[0] * packed.shape[2]
 
 

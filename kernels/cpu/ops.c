@@ -132,7 +132,7 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
 static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v8f); }
 
 /* The formats of packed weights (HP_F32 ... in ops.h); one body of the micro-kernel is compiled for each. */
-enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16 };
+enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8 };
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
  * Q4_1 blocks, as the default SmolLM2 weights are): for each 32 k of a panel, d [NR] and m [NR] as floats, then
@@ -140,6 +140,13 @@ enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = 
  * (mod 8) in bits 4k..4k+3. 0.75 bytes a weight instead of 4. */
 #define Q4_GROUP 32
 #define Q4_BLOCK_BYTES (2 * NR * 4 + Q4_GROUP * NR / 2)
+
+/* Q8 panels hold weights that are exactly d q with q in -127..127 and d per 32 consecutive k of a column (GGUF's
+ * Q8_0 blocks, as the default SmolLM2 embedding, which is also its LM head): for each 32 k of a panel, d [NR] as
+ * floats, then the bytes in the int8 panel layout (four consecutive k of one column per 32-bit lane). 1.125 bytes a
+ * weight instead of 4. */
+#define Q8_GROUP 32
+#define Q8_BLOCK_BYTES (NR * 4 + Q8_GROUP * NR)
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 typedef unsigned short v8hu __attribute__((vector_size(16), aligned(2)));
@@ -155,6 +162,9 @@ static inline v8f bf16_load8(const unsigned short *p) {
 static inline v8f q4_lane(v8i w, int kk, v8f d, v8f m) {
     return d * __builtin_convertvector((w >> (4 * kk)) & 15, v8f) + m;
 }
+
+/* Weight kk (0..3) of each lane of a Q8 byte vector, dequantized: d q, exact (an fp16 d times a 7-bit q). */
+static inline v8f q8_lane(v8i w, int kk, v8f d) { return d * int8_lane(w, kk); }
 
 /* c[i] += x[i][k] * b for the rows of a micro-tile: one broadcast of x per row. */
 static inline __attribute__((always_inline)) void accumulate(int rows, v8f c[MR][NV], const float *x, int64_t ldx,
@@ -205,6 +215,25 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                 accumulate(rows, c, x, ldx, k + kk, b);
             }
         }
+    } else if (format == Q8_PANELS) {
+        for (int k = 0; k < kc; k += Q8_GROUP) {
+            const char *block = (const char *)panel + (int64_t)(k / Q8_GROUP) * Q8_BLOCK_BYTES;
+            const v8iu *bytes = (const v8iu *)(block + NR * sizeof(float));
+            v8f d[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) d[v] = load8((const float *)block + 8 * v);
+            for (int g = 0; g < Q8_GROUP / 4; g++) {
+                v8i w[NV];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) w[v] = bytes[g * NV + v];
+#pragma GCC unroll 4
+                for (int kk = 0; kk < 4; kk++) {
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) b[v] = q8_lane(w[v], kk, d[v]);
+                    accumulate(rows, c, x, ldx, k + 4 * g + kk, b);
+                }
+            }
+        }
     } else {
         for (int k = 0; k < kc; k += Q4_GROUP) {
             const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
@@ -248,10 +277,23 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-/* A Q4 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (Q4: kc % Q4_GROUP == 0). */
+/* A Q4, Q8 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple of 32). */
 static void unpack(const void *panel, int kc, float *out, int format) {
     if (format == BF16_PANELS) {
         for (int64_t i = 0; i < (int64_t)kc * NR; i += 8) store8(out + i, bf16_load8((const unsigned short *)panel + i));
+        return;
+    }
+    if (format == Q8_PANELS) {
+        for (int k = 0; k < kc; k += Q8_GROUP) {
+            const char *block = (const char *)panel + (int64_t)(k / Q8_GROUP) * Q8_BLOCK_BYTES;
+            const v8iu *bytes = (const v8iu *)(block + NR * sizeof(float));
+            for (int v = 0; v < NV; v++) {
+                v8f d = load8((const float *)block + 8 * v);
+                for (int g = 0; g < Q8_GROUP / 4; g++)
+                    for (int kk = 0; kk < 4; kk++)
+                        store8(out + (int64_t)(k + 4 * g + kk) * NR + 8 * v, q8_lane(bytes[g * NV + v], kk, d));
+            }
+        }
         return;
     }
     for (int k = 0; k < kc; k += Q4_GROUP) {
@@ -268,10 +310,11 @@ static void unpack(const void *panel, int kc, float *out, int format) {
     }
 }
 
-/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % Q4_GROUP == 0 for Q4). */
+/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 32 == 0 for Q4 and Q8). */
 static inline int64_t panel_bytes(int64_t k, int format) {
     if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
     if (format == BF16_PANELS) return k * NR * 2;
+    if (format == Q8_PANELS) return k / Q8_GROUP * Q8_BLOCK_BYTES;
     return format == I8_PANELS ? k * NR : k / Q4_GROUP * Q4_BLOCK_BYTES;
 }
 
@@ -310,14 +353,14 @@ static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float
     panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
 }
 
-/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A Q4 or BF16 slice that more than
+/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A compact slice that more than
  * one row block reads is unpacked to fp32 once, so its widening is not repeated for every MR rows. */
 static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
                                                                 const void *packed, const float *bias,
                                                                 const float *scales, float *y, int64_t ldy, int N,
                                                                 int K, int format) {
     int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-    const int widened = format == Q4_PANELS || format == BF16_PANELS;
+    const int widened = format == Q4_PANELS || format == Q8_PANELS || format == BF16_PANELS;
     float unpacked[widened ? KC * NR : 1] __attribute__((aligned(64)));
     for (int k0 = 0; k0 < K; k0 += KC) {
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
@@ -358,7 +401,7 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     LINEAR_LOOP(bias, 0, F32_PANELS)
 }
 
-/* hp_linear for the same weights packed as Q4 panels (hp_pack_weight_q4; K % Q4_GROUP == 0): the same bits, from
+/* hp_linear for the same weights packed as Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): the same bits, from
  * less than a fifth of the bytes. One or a few rows dequantize in registers, so a decode step at a small batch
  * streams 0.75 bytes a weight from memory instead of 4; more rows share one fp32 copy of each panel slice. */
 void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
@@ -373,11 +416,21 @@ void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float
     LINEAR_LOOP(bias, 0, BF16_PANELS)
 }
 
-/* hp_linear, hp_linear_q4 or hp_linear_bf16, by the format the weight was packed in (HP_I8 is not one). */
+/* hp_linear for the same weights in Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): the same bits from
+ * 1.125 bytes a weight. */
+void hp_linear_q8(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                  int N, int K) {
+    LINEAR_LOOP(bias, 0, Q8_PANELS)
+}
+
+/* hp_linear, hp_linear_q4, hp_linear_q8 or hp_linear_bf16, by the format the weight was packed in (HP_I8 is not
+ * one). */
 void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                       int64_t ldy, int M, int N, int K) {
     if (format == HP_Q4)
         hp_linear_q4(x, ldx, packed, bias, y, ldy, M, N, K);
+    else if (format == HP_Q8)
+        hp_linear_q8(x, ldx, packed, bias, y, ldy, M, N, K);
     else if (format == HP_BF16)
         hp_linear_bf16(x, ldx, packed, bias, y, ldy, M, N, K);
     else

@@ -4,12 +4,14 @@
 #include <stdint.h>
 
 /* Formats of packed linear weights: fp32 panels (hp_pack_weight), int8 panels with per-column scales (approximate,
- * for the screened LM head), Q4 panels and BF16 panels (the same fp32 values in fewer bytes; kernels/cpu/q4.py). */
-enum hp_weight_format { HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3 };
+ * for the screened LM head), Q4, Q8 and BF16 panels (the same fp32 values in fewer bytes; kernels/cpu/blocks.py). */
+enum hp_weight_format { HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4 };
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
 void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
+                  int N, int K);
+void hp_linear_q8(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
                   int N, int K);
 void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
                     int N, int K);
