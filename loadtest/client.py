@@ -11,8 +11,8 @@ from loadtest.datasets import BenchRequest
 from loadtest.metrics import RequestRecord, record_from_timeline
 
 
-def request_body(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool) -> dict:
-    body: dict = {"model": model, "max_tokens": request.output_len, "temperature": 0.0, "stream": True,
+def request_body(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool, temperature: float = 0.0) -> dict:
+    body: dict = {"model": model, "max_tokens": request.output_len, "temperature": temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True

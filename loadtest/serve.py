@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     num_warmups: int = 1
     ignore_eos: bool = True
+    temperature: float = 0.0  # greedy by default; > 0 samples (every step then needs the full logits)
     request_timeout: float = 600.0
     health_timeout: float = 300.0
     tokenizer: str | None = None
@@ -88,8 +89,8 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
         model = cfg.model or await served_model(http)
         for i in range(cfg.num_warmups):
             warm = replace(requests[i % len(requests)], output_len=min(16, requests[0].output_len))
-            await send(http, cfg.endpoint, request_body(cfg.endpoint, model, warm, cfg.ignore_eos), 0.0,
-                       cfg.request_timeout)
+            body = request_body(cfg.endpoint, model, warm, cfg.ignore_eos, cfg.temperature)
+            await send(http, cfg.endpoint, body, 0.0, cfg.request_timeout)
         semaphore = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         bar = tqdm(total=len(requests), desc=f"{cfg.base_url} c={cfg.max_concurrency or 'inf'}", disable=not progress,
                    file=sys.stderr, leave=False)
@@ -97,7 +98,7 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
 
         async def one(request: BenchRequest):
             async with semaphore:
-                body = request_body(cfg.endpoint, model, request, cfg.ignore_eos)
+                body = request_body(cfg.endpoint, model, request, cfg.ignore_eos, cfg.temperature)
                 record = await send(http, cfg.endpoint, body, bench_start, cfg.request_timeout)
             bar.update(1)
             return record
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--temperature", type=float, default=BenchConfig.temperature)
     p.add_argument("--request-timeout", type=float, default=BenchConfig.request_timeout)
     p.add_argument("--tokenizer", default=None, help="tokenizer for building prompts (default: the default model's)")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs such as ttft:500 tpot:50 (milliseconds)")

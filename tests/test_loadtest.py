@@ -50,7 +50,7 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
         save = tmp_path / "results.json"
         bench_main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "24", "--output-len", "6",
                     "--sweep-concurrency", "1,2", "--save", str(save), "--plot-dir", str(tmp_path / "plots"),
-                    "--goodput", "ttft:60000", "--no-progress"])
+                    "--goodput", "ttft:60000", "--temperature", "0.7", "--no-progress"])
     finally:
         server.stop()
     results = json.loads(save.read_text())
@@ -58,6 +58,7 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     assert results["axis"] == "concurrency" and results["servers"] == [server.base_url]
     assert len(results["git_commit"]) == 40 and results["machine"]["cpus"] >= 1
     assert results["config"]["input_len"] == 24 and results["config"]["request_rate"] == "inf"
+    assert results["config"]["temperature"] == 0.7  # sampled: every step computes the full logits
     assert [p["max_concurrency"] for p in results["points"]] == [1, 2]
     assert [p["num_prompts"] for p in results["points"]] == [3, 4]
     assert [p["seed"] for p in results["points"]] == [0, 1]  # fresh prompts per point: no cross-point cache hits
