@@ -68,13 +68,17 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
         probs = scaled.softmax(dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p without a host sync. Seeded rows
-        # draw their noise from their own generator, so their tokens do not depend on what else is in the batch.
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse CDF: one uniform u per row; the token is the first whose running sum of probabilities (in float64)
+        # exceeds u times their total, without a host sync. A token of probability 0 adds nothing to the sum, so it is
+        # never drawn. Seeded rows draw u from their own generator, so their tokens do not depend on the batch.
+        # NOTE: the exponential race this replaced (argmax p / E, E ~ Exp(1)) drew a number per vocabulary entry:
+        # torch's exponential_ took 1.1 ms a row on the CPU, 76 ms a step at 64 rows of SmolLM2's 49152 tokens.
+        u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
         for row, generator in meta.generators.items():
-            row_noise = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
-            noise[row] = row_noise.to(probs.device)
-        return (probs / noise).argmax(dim=-1)
+            u[row] = torch.rand(1, dtype=torch.float64, generator=generator).to(probs.device)
+        cdf = probs.double().cumsum(dim=-1)
+        ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        return ids.clamp_(max=probs.shape[1] - 1)  # only a NaN row could land past the end
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -64,11 +64,20 @@ def test_min_p_masks_relative_to_the_top_token():
 
 def test_sampling_follows_the_distribution():
     torch.manual_seed(5)  # unseeded rows draw from the global generator: fix it so the test is deterministic
-    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0])
-    logits = torch.log(probs + 1e-20).repeat(4000, 1)
+    probs = torch.tensor([0, 0.5, 0.25, 0.125, 0.125, 0, 0, 0])  # the first and last tokens too are impossible
+    logits = torch.log(probs).repeat(4000, 1)
     out = sample(logits, [request(i) for i in range(4000)])
     freq = torch.bincount(out.token_ids, minlength=VOCAB).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
+    assert set(out.token_ids.tolist()) == {1, 2, 3, 4}  # probability 0 is never drawn
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2**-53])  # the extremes of torch.rand's float64 range
+def test_every_uniform_draws_a_possible_token(u, monkeypatch):
+    probs = torch.tensor([0, 0.5, 0, 0.25, 0.25, 0, 0, 0])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, u, dtype=kw.get("dtype")))
+    token = int(sample(torch.log(probs).unsqueeze(0), [request(0)]).token_ids[0])
+    assert token == {0.0: 1, 0.5: 3}.get(u, 4)
 
 
 def test_temperature_sharpens():
