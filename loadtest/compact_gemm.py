@@ -40,7 +40,7 @@ def q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Random d q blocks of 32 inputs, with |q| = 127 in each block, as a Q8_0 quantizer leaves them."""
-    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.001).half().float()
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.001 + 1e-4).half().float()  # > 0: d 0 would give -0.0
     q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
     q[..., 0] = 127
     return (d * q).reshape(n, k)
