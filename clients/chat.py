@@ -15,18 +15,21 @@ from openai import OpenAI
 
 
 class Chat:
-    def __init__(self, client: OpenAI, model: str, system: str | None = None, max_tokens: int = 256) -> None:
+    def __init__(self, client: OpenAI, model: str, system: str | None = None, max_tokens: int = 256,
+                 temperature: float | None = None) -> None:
         self.client = client
         self.model = model
         self.max_tokens = max_tokens
+        self.temperature = temperature  # None: the server's default (1, sampling)
         self.history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
 
     def ask(self, text: str) -> Iterator[str]:
         """Stream the answer to ``text``; the exchange joins the history once the stream ends or is cancelled."""
         self.history.append({"role": "user", "content": text})
         answer: list[str] = []
+        extra = {} if self.temperature is None else {"temperature": self.temperature}
         stream = self.client.chat.completions.create(model=self.model, messages=self.history, stream=True,
-                                                     max_tokens=self.max_tokens)
+                                                     max_tokens=self.max_tokens, **extra)
         try:
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -43,9 +46,10 @@ def main() -> None:
     parser.add_argument("--api-key", default=os.environ.get("HARPOON_API_KEY", "unused"))
     parser.add_argument("--system", default=None)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=None, help="default: the server's (1, sampling)")
     args = parser.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    chat = Chat(client, client.models.list().data[0].id, args.system, args.max_tokens)
+    chat = Chat(client, client.models.list().data[0].id, args.system, args.max_tokens, args.temperature)
     interactive = sys.stdin.isatty()
     while True:
         try:
