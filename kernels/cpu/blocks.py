@@ -1,5 +1,5 @@
-"""Linear weights that are exactly 4- or 8-bit blocks, held as such for the C kernels (``hp_linear_q4`` and
-``hp_linear_q8`` in ``ops.c``).
+"""Linear weights that are exactly 4- or 8-bit blocks, held as such for the C kernels (``hp_linear_packed`` in
+``ops.c``).
 
 Why: a decode step at a small batch streams every weight from memory once, so its time is the weights' bytes over
 the memory's bandwidth. The default SmolLM2 weights come from a GGUF file whose projections are Q4_1 (every 32

@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, con
     }
 }
 
-/* panel_rows over an fp32 slice, compiled on its own. NOTE: inlined into hp_linear_q4's loop beside the Q4
+/* panel_rows over an fp32 slice, compiled on its own. NOTE: inlined into the Q4 product's loop beside the Q4
  * micro-kernels, its MR-row kernel spilled an accumulator inside the k loop and ran at half speed. */
 static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float *x, int64_t ldx, const float *panel,
                                                      int kc, float *y, int64_t ldy, int cols, const float *b,
@@ -387,8 +387,8 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
  * keeps the K = 576 products of SmolLM2-135M in one k block (a 55 KB panel slice, read from L2): 5-6% faster than
  * KC = 256 at 16 and 64 rows, the same at 1 and 256 (python -m loadtest.kernel_ab); 160 GFLOP/s on two cores from
  * 64 rows on, ~90% of their FMA peak.
- * NOTE: each weight format's entry point has its own parallel loop (LINEAR_LOOP), so OpenMP outlines one body per
- * format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
+ * NOTE: each weight format has its own parallel loop (LINEAR_LOOP, written once per format), so OpenMP outlines one
+ * body per format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 #define LINEAR_LOOP(bias, scales, format)                                                                             \
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
@@ -401,40 +401,23 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     LINEAR_LOOP(bias, 0, F32_PANELS)
 }
 
-/* hp_linear for the same weights packed as Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): the same bits, from
- * less than a fifth of the bytes. One or a few rows dequantize in registers, so a decode step at a small batch
- * streams 0.75 bytes a weight from memory instead of 4; more rows share one fp32 copy of each panel slice. */
-void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                  int N, int K) {
-    LINEAR_LOOP(bias, 0, Q4_PANELS)
-}
-
-/* hp_linear for the same weights in BF16 panels (every weight's low 16 bits zero): the same bits from half the
- * bytes. */
-void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                    int N, int K) {
-    LINEAR_LOOP(bias, 0, BF16_PANELS)
-}
-
-/* hp_linear for the same weights in Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): the same bits from
- * 1.125 bytes a weight. */
-void hp_linear_q8(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                  int N, int K) {
-    LINEAR_LOOP(bias, 0, Q8_PANELS)
-}
-
-/* hp_linear, hp_linear_q4, hp_linear_q8 or hp_linear_bf16, by the format the weight was packed in (HP_I8 is not
- * one). */
+/* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
+ *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
+ *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
+ *   BF16 panels (every weight's low 16 bits zero): half the bytes.
+ * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
+ * memory; more rows share one fp32 copy of each panel slice. */
 void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                       int64_t ldy, int M, int N, int K) {
-    if (format == HP_Q4)
-        hp_linear_q4(x, ldx, packed, bias, y, ldy, M, N, K);
-    else if (format == HP_Q8)
-        hp_linear_q8(x, ldx, packed, bias, y, ldy, M, N, K);
-    else if (format == HP_BF16)
-        hp_linear_bf16(x, ldx, packed, bias, y, ldy, M, N, K);
-    else
+    if (format == HP_Q4) {
+        LINEAR_LOOP(bias, 0, Q4_PANELS)
+    } else if (format == HP_Q8) {
+        LINEAR_LOOP(bias, 0, Q8_PANELS)
+    } else if (format == HP_BF16) {
+        LINEAR_LOOP(bias, 0, BF16_PANELS)
+    } else {
         hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
+    }
 }
 
 /* y [M, N] ~= x . w^T for int8 panels and per-column scales [>= N]: a quarter of the fp32 weight's bytes, for

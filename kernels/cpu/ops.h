@@ -9,12 +9,6 @@ enum hp_weight_format { HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
-void hp_linear_q4(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                  int N, int K);
-void hp_linear_q8(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                  int N, int K);
-void hp_linear_bf16(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy, int M,
-                    int N, int K);
 void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                       int64_t ldy, int M, int N, int K);
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
