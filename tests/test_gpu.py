@@ -36,9 +36,14 @@ def hf_greedy_with_top_k(model, prompt_ids: list[int], max_new_tokens: int) -> t
     return tokens, [set(s[0].topk(TOP_K).indices.tolist()) for s in out.scores]
 
 
-def test_float32_greedy_equals_transformers_with_staggered_arrivals(smollm2_path, prompt_ids):
+@pytest.fixture(scope="module")
+def expected_float32(smollm2_path, prompt_ids) -> list[list[int]]:
     hf = hf_on_gpu(smollm2_path, torch.float32)
-    expected = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+    return [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+
+
+def test_float32_greedy_equals_transformers_with_staggered_arrivals(prompt_ids, expected_float32):
+    expected = expected_float32
     for eager in (False, True):
         engine = engine_with(device="cuda", dtype="float32", enforce_eager=eager)
         assert engine.attention_backend == "triton"
@@ -46,6 +51,16 @@ def test_float32_greedy_equals_transformers_with_staggered_arrivals(smollm2_path
         assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
         graphs = engine.model_runner.graphs
         assert (graphs is None) if eager else graphs.num_replays > 0
+
+
+def test_float32_greedy_with_ngram_drafts_equals_transformers(prompt_ids, expected_float32):
+    """Verify steps (a request's last token and its drafts) run eagerly between graph-replayed decode steps."""
+    engine = engine_with(device="cuda", dtype="float32", speculative_config={"disable_by_batch_size": None})
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected_float32
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert engine.model_runner.graphs.num_replays > 0
 
 
 def test_bfloat16_greedy_agrees_with_transformers_until_a_near_tie(smollm2_path, prompt_ids):
