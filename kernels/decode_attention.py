@@ -26,7 +26,10 @@ from kernels.online_softmax import check_dot_shapes, compute_mode, load_kv_page,
 MAX_SPLITS = 32
 
 
-@triton.jit
+# NOTE: the block tables' width varies from step to step (the longest table of an eager step; a fixed width in
+# the CUDA graphs), and Triton compiles a variant per stride that is or is not a multiple of 16: unspecialized,
+# one compiled kernel serves both, so no step of a new width waits for a compile.
+@triton.jit(do_not_specialize=["stride_bt_req"])
 def _decode_split_kernel(
     q_ptr,  # [num_reqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
