@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.config import MAX_CPU_TOKEN_BUDGET, MIN_CPU_TOKEN_BUDGET, cpu_token_budget
 
 
@@ -31,3 +31,24 @@ def test_an_explicit_budget_or_a_toy_pool_is_kept(tiny_model):
     toy = LLM(folder, kv_cache_memory=4 * 2 * 2 * 2 * 16 * 16 * 4, attention_backend="cpu")
     assert toy.engine.kv_cache.num_blocks == 4
     assert toy.engine.max_num_batched_tokens == 256
+
+
+def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model):
+    """The GPU's start-up warm-up, run here on the CPU: bursts of the whole budget, then half of it, down to the
+    largest step a graph would take (none here: 128-token prompts), each a prefill step of its size."""
+    llm = LLM(str(tiny_model("llama-gqa-tied")), kv_cache_memory=4 << 20, max_num_batched_tokens=512)
+    engine = llm.engine
+    runner_execute, steps = engine.model_runner.execute, []
+
+    def spy(sched):
+        steps.append((sched.total_num_scheduled_tokens, len(sched.scheduled_requests)))
+        return runner_execute(sched)
+
+    engine.model_runner.execute = spy
+    engine._warm_up()
+    assert steps == [(512, 4), (256, 2)]
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
