@@ -109,6 +109,14 @@ def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
     assert mixed == (["1 decodes + 9 prompt tokens", "3 decodes + 9 prompt tokens"] if backend == "cpu" else [])
 
 
+def test_first_bursts_times_each_burst_in_order(tiny_model, capsys):
+    from loadtest.first_bursts import main as bursts_main
+
+    bursts_main(["--model", str(tiny_model("llama-gqa-tied")), "--bursts", "1,3,2", "--prompt-len", "9"])
+    rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [int(n) for n, _ in rows] == [1, 3, 2] and all(float(ms) > 0 for _, ms in rows)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     from loadtest.kernel_ab import main as kernel_ab_main
