@@ -36,7 +36,7 @@ from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 BUDGET_PROBE_TOKENS, BUDGET_PROBES = 256, 5
-WARM_UP_PROMPT_LEN = 128
+WARM_UP_PROMPT_LEN, WARM_UP_EARLY_PROMPTS = 128, 3
 
 
 @dataclass(frozen=True)
@@ -145,29 +145,39 @@ class EngineCore:
         new prompts) runs eagerly, and the first of its size compiles the Triton prefill kernel and loads the GEMM
         kernels for its shapes: on an H100 the first 16-prompt burst took 740 ms against 29 ms the second time, and
         still 423 ms with Triton's disk cache warm. Bursts of the whole token budget, then half of it and so on down
-        to the graphs' largest step, each prompt WARM_UP_PROMPT_LEN tokens; the first prompt of each is sampled."""
+        to the graphs' largest step, each prompt WARM_UP_PROMPT_LEN tokens; the first prompt of each is sampled.
+        A last burst comes as a first wave of users does, a few prompts a step ahead of the rest, so that its second
+        step mixes their decodes into the prompts."""
         started = time.monotonic()
-        length = min(WARM_UP_PROMPT_LEN, self.max_model_len - 1)
-        blocks_per_prompt = -(-(length + 1) // self.config.block_size)
+        length = min(WARM_UP_PROMPT_LEN, self.max_model_len - 2)
+        blocks_per_prompt = -(-(length + 2) // self.config.block_size)
         most = min(self.config.max_num_seqs, self.kv_cache.num_blocks // blocks_per_prompt - 1)
         smallest = self.model_runner.graphs.max_num_tokens if self.model_runner.graphs is not None else length
         tokens, bursts = self.max_num_batched_tokens, 0
-        while tokens > smallest and most > 0:
+        while tokens > smallest and most > WARM_UP_EARLY_PROMPTS:
             self._serve_made_up_prompts(bursts, min(most, max(1, tokens // length)), length, sampled=True)
             tokens, bursts = tokens // 2, bursts + 1
-        logger.info("warmed up with %d bursts of prompts in %.1f s", bursts, time.monotonic() - started)
+        if bursts:
+            num_prompts = min(most, self.max_num_batched_tokens // length + WARM_UP_EARLY_PROMPTS)
+            self._serve_made_up_prompts(bursts, num_prompts, length, num_early=WARM_UP_EARLY_PROMPTS)
+        logger.info("warmed up with %d bursts of prompts in %.1f s", bursts + 1, time.monotonic() - started)
 
-    def _serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False) -> float:
+    def _serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False,
+                               num_early: int = 0) -> float:
         """Serve ``num_prompts`` made-up prompts of ``length`` tokens (``key`` varies them) to their one new token, the
-        first one drawn at random (seeded) where ``sampled``; the seconds it took. For start-up only: the prefix
-        cache's counters are left as they were."""
+        first one drawn at random (seeded) where ``sampled``; the seconds it took. ``num_early`` of them come a step
+        before the rest, and those ask for two tokens, so they decode beside the rest's prompts. For start-up only:
+        the prefix cache's counters are left as they were."""
         bm = self.block_manager
         queries, hits = bm.num_query_tokens, bm.num_hit_tokens
         for i in range(num_prompts):
             ids = [(7919 * (key + 1000 * i) + 104729 * j) % self.vocab_size for j in range(length)]
             greedy = not (sampled and i == 0)
-            params = SamplingParams(temperature=0 if greedy else 1.0, seed=None if greedy else 0, max_tokens=1)
+            params = SamplingParams(temperature=0 if greedy else 1.0, seed=None if greedy else 0,
+                                    max_tokens=2 if i < num_early else 1)
             self.add_request(f"start-up-{key}-{i}", ids, params)
+            if i + 1 == num_early:
+                self.step()
         start = time.perf_counter()
         while self.has_unfinished_requests():
             self.step()

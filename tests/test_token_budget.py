@@ -35,7 +35,8 @@ def test_an_explicit_budget_or_a_toy_pool_is_kept(tiny_model):
 
 def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model):
     """The GPU's start-up warm-up, run here on the CPU: bursts of the whole budget, then half of it, down to the
-    largest step a graph would take (none here: 128-token prompts), each a prefill step of its size."""
+    largest step a graph would take (none here: 128-token prompts), each a prefill step of its size; then a wave
+    whose first three prompts come a step early and decode beside the others."""
     llm = LLM(str(tiny_model("llama-gqa-tied")), kv_cache_memory=4 << 20, max_num_batched_tokens=512)
     engine = llm.engine
     runner_execute, steps = engine.model_runner.execute, []
@@ -46,7 +47,10 @@ def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model
 
     engine.model_runner.execute = spy
     engine._warm_up()
-    assert steps == [(512, 4), (256, 2)]
+    assert steps[:3] == [(512, 4), (256, 2), (3 * 128, 3)]  # the bursts, then the first wave's early three
+    num_tokens, num_reqs = steps[3]
+    assert num_reqs == 4 and num_tokens > 3  # their decodes beside the rest's prompt tokens
+    assert sum(t for t, _ in steps[3:]) == 3 + 4 * 128
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
