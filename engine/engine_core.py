@@ -160,7 +160,7 @@ class EngineCore:
         if bursts:
             num_prompts = min(most, self.max_num_batched_tokens // length + WARM_UP_EARLY_PROMPTS)
             self._serve_made_up_prompts(bursts, num_prompts, length, num_early=WARM_UP_EARLY_PROMPTS)
-        logger.info("warmed up with %d bursts of prompts in %.1f s", bursts + 1, time.monotonic() - started)
+            logger.info("warmed up with %d bursts of prompts in %.1f s", bursts + 1, time.monotonic() - started)
 
     def _serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False,
                                num_early: int = 0) -> float:
