@@ -43,12 +43,11 @@ def expected_float32(smollm2_path, prompt_ids) -> list[list[int]]:
 
 
 def test_float32_greedy_equals_transformers_with_staggered_arrivals(prompt_ids, expected_float32):
-    expected = expected_float32
     for eager in (False, True):
         engine = engine_with(device="cuda", dtype="float32", enforce_eager=eager)
         assert engine.attention_backend == "triton"
         tokens = run_staggered(engine, prompt_ids, ARRIVALS)
-        assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+        assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected_float32
         graphs = engine.model_runner.graphs
         assert (graphs is None) if eager else graphs.num_replays > 0
 
