@@ -15,6 +15,17 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """The server's own series from a Prometheus page, by name (histogram buckets left out)."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("harpoon:") and "{" in line:
+            name = line.split("{", 1)[0]
+            if "_bucket" not in name:
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,13 +63,7 @@ class ServerProcess:
         return pids[0]
 
     def metrics(self) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
-            if line.startswith("harpoon:") and "{" in line:
-                name = line.split("{", 1)[0]
-                if "_bucket" not in name:
-                    values[name] = float(line.rsplit(" ", 1)[1])
-        return values
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -10,10 +10,22 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
-LONG = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 60, "ignore_eos": True}
+LONG = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 100, "ignore_eos": True}
+
+
+async def until_engine_reports(http: httpx.AsyncClient, running: int, waiting: int) -> None:
+    """Waits until the engine's latest step had this many requests running and waiting: a fixed sleep instead lets
+    a fast machine finish the requests before the test acts on them."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = parse_metrics((await http.get("/metrics")).text)
+        if (m.get("harpoon:num_requests_running"), m.get("harpoon:num_requests_waiting")) == (running, waiting):
+            return
+        assert time.monotonic() < deadline, f"the engine never reported {running} running, {waiting} waiting: {m}"
+        await asyncio.sleep(0.02)
 
 
 async def test_api_key_admission_limit_and_sigterm_drain():
@@ -29,9 +41,10 @@ async def test_api_key_admission_limit_and_sigterm_drain():
         auth = {"Authorization": "Bearer sekret"}
 
         async with httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as http:
-            # 2 running + 1 waiting fit; a fourth is turned away with 429 and Retry-After.
+            # 2 running + 1 waiting fit; a fourth is turned away with 429 and Retry-After. It is sent once the
+            # engine reports all three admitted, while they have most of their tokens still to go.
             in_flight = [asyncio.create_task(http.post("/v1/completions", json=LONG)) for _ in range(3)]
-            await asyncio.sleep(1.0)
+            await until_engine_reports(http, running=2, waiting=1)
             r = await http.post("/v1/completions", json=LONG)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_exceeded"
@@ -43,7 +56,7 @@ async def test_api_key_admission_limit_and_sigterm_drain():
             assert r.status_code == 503
             done = await asyncio.gather(*in_flight)
         assert [d.status_code for d in done] == [200, 200, 200]
-        assert all(d.json()["usage"]["completion_tokens"] == 60 for d in done)
+        assert all(d.json()["usage"]["completion_tokens"] == LONG["max_tokens"] for d in done)
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
@@ -78,7 +91,7 @@ def test_engine_death_mid_request_fails_the_request(stream):
         async def run() -> httpx.Response | str:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
                 task = asyncio.create_task(http.post("/v1/completions", json=body))
-                await asyncio.sleep(1.5)
+                await until_engine_reports(http, running=1, waiting=0)
                 os.kill(server.engine_pid(), signal.SIGKILL)
                 return await task
 
