@@ -147,7 +147,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if name.endswith("proj.weight") or name == "lm_head.weight":
+            if name.endswith(("proj.weight", "embed_tokens.weight")) or name == "lm_head.weight":
                 param.copy_(snap(param))
     hf.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path)
@@ -165,10 +165,30 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
         assert formats == ({dtype, head} if enabled == "1" else {torch.float32})
         assert model.lm_head.packed.dtype == head
         assert (model.greedy_head is None) == (head != torch.float32)
+        # an untied embedding of Q4/Q8 blocks is looked up from its own panels, and its fp32 table freed
+        assert (model.packed_embed is not None) == (head != torch.float32)
+        assert model.embed_tokens.weight.numel() == (0 if head != torch.float32 else 512 * 64)
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert results[0] == results[1]
     assert [ids for ids, _ in results[0]] == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("grid", ["q4", "q8", "bf16", "fp32"])
+@pytest.mark.parametrize("k", [64, 800])  # 800: more than one KC slice of a panel
+def test_embedding_rows_read_from_panels_are_the_table_bit_for_bit(grid, k):
+    n = 49  # rows in three panels, the last one part padding
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.1
+    w = GRIDS[grid][0](w) if grid in GRIDS else w
+    packed = cpu.pack_weight_compact(w)
+    assert packed.dtype == (GRIDS[grid][2] if grid in GRIDS else torch.float32)
+    for ids in (torch.tensor([7]), torch.tensor([0, n - 1, 24, 23, 0]), torch.randint(0, n, (300,))):  # 300: threads
+        assert torch.equal(bits(cpu.embed_rows(packed, ids, n)), bits(w[ids]))
+    for bad in (-1, n):
+        with pytest.raises(IndexError, match=f"token id {bad} is out of range for an embedding of {n} rows"):
+            cpu.embed_rows(packed, torch.tensor([3, bad]), n)
+    with pytest.raises(ValueError, match="holds 72 rows, not 73"):
+        cpu.embed_rows(packed, torch.tensor([3]), 73)
 
 
 def test_linear_refuses_what_is_not_packed_panels():

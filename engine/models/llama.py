@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
+        self.packed_embed: torch.Tensor | None = None  # the panels the lookups read, once the fp32 table is freed
         self.cpu_decoder: Decoder | None = None  # all layers in one C call, for decodes and short prefill chunks
         self.greedy_head: ScreenedGreedyHead | None = None  # greedy tokens without the full fp32 logits
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -210,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: (k, v) pools
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         if self.cpu_decoder is not None and (
             meta.max_query_len <= CPU_DECODER_MAX_QUERY_LEN
             or meta.max_prefill_seq_len <= CPU_DECODER_MAX_PREFILL_CONTEXT
@@ -219,6 +220,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden_size]
+        if self.packed_embed is None:
+            return self.embed_tokens(input_ids)
+        return cpu_kernels.embed_rows(self.packed_embed, input_ids, self.config.vocab_size)
 
     def _cpu_decoder_forward(
         self,
@@ -269,9 +275,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_cpu_kernels(pack_head if module is self.lm_head else cpu_kernels.pack_weight_compact)
         self._use_ops(cpu_kernels)
-        # NOTE: tied embeddings keep their row layout for the lookup, so the LM head gets its own packed copy.
+        # NOTE: the lookups then read the LM head's panels where it is tied (the same values), or the embedding's own
+        # Q4/Q8 panels where it has such; either way the fp32 table is freed (113 MB for SmolLM2-135M).
+        table = self.embed_tokens.weight.detach()
         if self.lm_head is None:
-            self.packed_tied_head = pack_head(self.embed_tokens.weight.detach())
+            self.packed_tied_head = self.packed_embed = pack_head(table)
+        else:
+            self.packed_embed = cpu_kernels.pack_weight_blocks(table)
+        if self.packed_embed is not None:
+            self.embed_tokens.weight.data = table.new_empty(0, table.shape[1])
         head = self.packed_tied_head if self.lm_head is None else self.lm_head.packed
         screens = head.dtype == torch.float32 and head.shape[1] % 4 == 0
         if screens and (self.lm_head is None or self.lm_head.bias is None):

@@ -63,7 +63,7 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-_SIGNATURES = {  # argument types of the kernels ops.c exports; none returns a value
+_SIGNATURES = {  # argument types of the kernels ops.c exports that return nothing (hp_embed_rows: in declare)
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -85,6 +85,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, None
+    embed = getattr(lib, "hp_embed_rows", None)
+    if embed is not None:
+        embed.argtypes, embed.restype = [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr], _c_int
     return lib
 
 
@@ -190,6 +193,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         _library().hp_linear_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(), b,
                                     y.data_ptr(), out_features, m, out_features, k)
     return y
+
+
+def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``weight[ids]`` [len(ids), K] fp32, read from ``packed``, the panels of ``weight`` [num_rows, K] in any
+    format ``linear`` takes, so an embedding table tied to a packed LM head needs no row-major copy."""
+    in_features, columns = packed_geometry(packed)
+    if columns < num_rows:
+        raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+    bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
+                                   ids.data_ptr(), ids.shape[0], out.data_ptr())
+    if bad >= 0:
+        raise IndexError(f"token id {int(ids[bad])} is out of range for an embedding of {num_rows} rows")
+    return out
 
 
 def pack_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

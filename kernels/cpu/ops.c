@@ -420,6 +420,32 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
     }
 }
 
+/* Rows of a weight [N, K] held as panels of any format of enum hp_weight_format but HP_I8: out[t] = w[ids[t]], the
+ * very fp32 values the products use. Why: a tied LM head is also the embedding table, and reading the lookups from
+ * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 28 times its Q8 panels' bytes).
+ * Returns the first t whose id is outside 0..N-1 (no row of out written from it on), or -1. */
+int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return t;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        const int64_t p = ids[t] / NR, col = ids[t] % NR;
+        float *row = out + (int64_t)t * K;
+        if (format == F32_PANELS) {
+            const float *panel = (const float *)packed + p * K * NR;
+            for (int k = 0; k < K; k++) row[k] = panel[(int64_t)k * NR + col];
+            continue;
+        }
+        float slice[KC * NR] __attribute__((aligned(64)));
+        for (int k0 = 0; k0 < K; k0 += KC) {
+            int kc = K - k0 < KC ? K - k0 : KC;
+            unpack((const char *)packed + panel_bytes(p * K + k0, format), kc, slice, format);
+            for (int k = 0; k < kc; k++) row[k0 + k] = slice[(int64_t)k * NR + col];
+        }
+    }
+    return -1;
+}
+
 /* y [M, N] ~= x . w^T for int8 panels and per-column scales [>= N]: a quarter of the fp32 weight's bytes, for
  * products whose error is bounded and checked by the caller (the LM head's screened argmax). A panel is
  * [K / 4, NV, 8, 4]: lane l of vector v holds column 8 v + l at four consecutive k, low byte first; K % 4 == 0. */
