@@ -34,6 +34,7 @@ class AttentionMetadata:
     # Host copies, so the torch path loops over prefills without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    req_of_token: torch.Tensor  # [num_tokens] int64, on the host: the request of each token, computed once a step
 
     @property
     def num_reqs(self) -> int:

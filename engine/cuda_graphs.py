@@ -90,10 +90,7 @@ class CudaGraphs:
             self._copied.synchronize()  # the last step's copies have left the pinned buffers
         host = self._host_tokens
         host[0, :n], host[1, :n], host[2, :n] = input_ids, positions, meta.slot_mapping
-        if meta.num_decodes == r:
-            host[3, :n] = torch.arange(r)
-        else:
-            host[3, :n] = torch.arange(r).repeat_interleave(torch.tensor(meta.query_start_loc_cpu).diff())
+        host[3, :n] = meta.req_of_token
         host[:, n:size] = 0
         host[2, n:size] = -1
         self._host_tables[:r, : meta.block_tables.shape[1]] = meta.block_tables
@@ -121,6 +118,7 @@ class CudaGraphs:
             # NOTE: shapes only; what the contexts are is read on the device, never from these host copies.
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
+            req_of_token=torch.arange(size),
         )
         return self.model(input_ids, positions, self.kv_caches, meta)
 

@@ -166,6 +166,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
+            req_of_token=req_of_token,
         )
 
 

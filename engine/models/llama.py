@@ -238,8 +238,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.num_decodes == meta.num_reqs:
             tables, seq_lens = meta.block_tables, meta.seq_lens
         else:
-            query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            tables = meta.block_tables.repeat_interleave(query_lens, dim=0, output_size=x.shape[0])
+            tables = meta.block_tables[meta.req_of_token]
             seq_lens = (positions + 1).to(torch.int32)
         return self.cpu_decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
 
