@@ -147,6 +147,7 @@ enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = 
  * weight instead of 4. */
 #define Q8_GROUP 32
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_GROUP * NR)
+_Static_assert(Q4_GROUP == Q8_GROUP, "micro_kernel walks the blocks of both formats in one loop");
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 typedef unsigned short v8hu __attribute__((vector_size(16), aligned(2)));
@@ -215,43 +216,25 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                 accumulate(rows, c, x, ldx, k + kk, b);
             }
         }
-    } else if (format == Q8_PANELS) {
-        for (int k = 0; k < kc; k += Q8_GROUP) {
-            const char *block = (const char *)panel + (int64_t)(k / Q8_GROUP) * Q8_BLOCK_BYTES;
-            const v8iu *bytes = (const v8iu *)(block + NR * sizeof(float));
-            v8f d[NV];
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) d[v] = load8((const float *)block + 8 * v);
-            for (int g = 0; g < Q8_GROUP / 4; g++) {
-                v8i w[NV];
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) w[v] = bytes[g * NV + v];
-#pragma GCC unroll 4
-                for (int kk = 0; kk < 4; kk++) {
-#pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) b[v] = q8_lane(w[v], kk, d[v]);
-                    accumulate(rows, c, x, ldx, k + 4 * g + kk, b);
-                }
-            }
-        }
-    } else {
+    } else { /* Q8 or Q4 panels (constant per call): per 32 inputs, d (Q4: and m) per column, then the weights */
+        const int q4 = format == Q4_PANELS, per_word = q4 ? 8 : 4;
         for (int k = 0; k < kc; k += Q4_GROUP) {
-            const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
-            const v8iu *nibbles = (const v8iu *)(block + 2 * NR * sizeof(float));
+            const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * (q4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+            const v8iu *words = (const v8iu *)(block + (1 + q4) * NR * sizeof(float));
             v8f d[NV], m[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) d[v] = load8((const float *)block + 8 * v);
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) m[v] = load8((const float *)block + NR + 8 * v);
-            for (int g = 0; g < Q4_GROUP / 8; g++) {
+            for (int v = 0; v < NV; v++) m[v] = q4 ? load8((const float *)block + NR + 8 * v) : (v8f){0};
+            for (int g = 0; g < Q4_GROUP / per_word; g++) {
                 v8i w[NV];
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) w[v] = nibbles[g * NV + v];
+                for (int v = 0; v < NV; v++) w[v] = words[g * NV + v];
 #pragma GCC unroll 8
-                for (int kk = 0; kk < 8; kk++) {
+                for (int kk = 0; kk < per_word; kk++) {
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) b[v] = q4_lane(w[v], kk, d[v], m[v]);
-                    accumulate(rows, c, x, ldx, k + 8 * g + kk, b);
+                    for (int v = 0; v < NV; v++) b[v] = q4 ? q4_lane(w[v], kk, d[v], m[v]) : q8_lane(w[v], kk, d[v]);
+                    accumulate(rows, c, x, ldx, k + per_word * g + kk, b);
                 }
             }
         }
