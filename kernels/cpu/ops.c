@@ -405,7 +405,7 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
 
 /* Rows of a weight [N, K] held as panels of any format of enum hp_weight_format but HP_I8: out[t] = w[ids[t]], the
  * very fp32 values the products use. Why: a tied LM head is also the embedding table, and reading the lookups from
- * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 28 times its Q8 panels' bytes).
+ * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 3.6 times its Q8 panels' 32 MB).
  * Returns the first t whose id is outside 0..N-1 (no row of out written from it on), or -1. */
 int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
     for (int t = 0; t < T; t++)
