@@ -63,7 +63,7 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-_SIGNATURES = {  # argument types of the kernels ops.c exports that return nothing (hp_embed_rows: in declare)
+_SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -76,7 +76,9 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports that return nothi
     "hp_rotary": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int],
+    "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
 }
+_RESULTS = {"hp_embed_rows": _c_int}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -84,10 +86,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name, None)
         if fn is not None:
-            fn.argtypes, fn.restype = argtypes, None
-    embed = getattr(lib, "hp_embed_rows", None)
-    if embed is not None:
-        embed.argtypes, embed.restype = [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr], _c_int
+            fn.argtypes, fn.restype = argtypes, _RESULTS.get(name)
     return lib
 
 
