@@ -1,13 +1,16 @@
-"""Weights held in fewer bytes where that is exact: 4-bit blocks (GGUF Q4_1, as the default model's projections) in
-Q4 panels, 8-bit blocks (GGUF Q8_0, as its embedding and LM head) in Q8 panels, bf16 values in BF16 panels. Each
-gives the same bits as the fp32 panels of the same weights, from the kernel alone up to a whole model's logprobs."""
+"""Weights held in fewer bytes where that is exact: 4-bit blocks (GGUF Q4_1, as the default model's projections, Q4_0
+and Q4_K) in Q4 panels, 8-bit blocks (GGUF Q8_0, as its embedding and LM head, and Q5_0) in Q8 panels, bf16 values
+in BF16 panels. Each gives the same bits as the fp32 panels of the same weights, from the kernel alone up to a whole
+model's logprobs."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from engine import LLM, SamplingParams
 from kernels import cpu
@@ -36,13 +39,37 @@ def to_q8_grid(w: torch.Tensor) -> torch.Tensor:
     return (d.half().float() * q).reshape(n, k)
 
 
+def to_q4_k_grid(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] rounded to Q4_K blocks as llama.cpp quantizes, less its search for better scales: per 32 inputs
+    a scale D and a min M, each an fp16 of the super-block (8 blocks) times a 6-bit integer, each value D q - M
+    with q = round((x + M) / D) in 0..15, as gguf's dequantizer computes it (D q is exact)."""
+    n, k = w.shape
+    g = w.reshape(-1, 32)
+    g = torch.cat([g, g.new_zeros(-len(g) % 8, 32)]).view(-1, 8, 32)
+    low, high = g.amin(-1).clamp(max=0), g.amax(-1)
+    scale, mins = (high - low) / 15, -low
+    d = (scale.amax(-1, keepdim=True) / 63).half().float()
+    dmin = (mins.amax(-1, keepdim=True) / 63).half().float()
+    big_d = (d * torch.round(scale / torch.where(d > 0, d, 1.0)).clamp(0, 63)).unsqueeze(-1)
+    big_m = (dmin * torch.round(mins / torch.where(dmin > 0, dmin, 1.0)).clamp(0, 63)).unsqueeze(-1)
+    q = torch.round((g + big_m) / torch.where(big_d > 0, big_d, 1.0)).clamp(0, 15)
+    return (big_d * q - big_m).view(-1, 32)[: n * k // 32].reshape(n, k)
+
+
+def gguf_grid(kind: GGMLQuantizationType):
+    """``w`` [N, K] through gguf's own quantizer and dequantizer."""
+    def snap(w: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(quants.dequantize(quants.quantize(w.numpy(), kind), kind).astype(np.float32))
+    return snap
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 90, 300])  # in registers up to 4 rows; unpacked from 5; row blocks
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 20), (1536, 576), (32, 49)])
-@pytest.mark.parametrize("grid", ["q4", "q8"])
+@pytest.mark.parametrize("grid", ["q4", "q8", "q4_0", "q4_k", "q5_0"])
 def test_block_panels_compute_the_bits_of_fp32_panels(grid, m, k, n):
     snap, _, dtype = GRIDS[grid]
     gen = torch.Generator().manual_seed(m * 1000 + n)
@@ -77,6 +104,32 @@ def test_q8_blocks_give_back_the_grid_exactly():
     assert blocks.q8_blocks(zeros) is not None
     assert cpu.pack_weight_compact(zeros).dtype == torch.uint8  # on both grids: Q4, the fewer bytes
     assert cpu.pack_weight_compact(to_q8_grid(torch.randn(24, 64))).dtype == torch.int8
+
+
+def test_gguf_k_quant_and_legacy_blocks_are_found_exactly():
+    """Q4_K sub-blocks with any 6-bit scale and min and any q (random raw blocks through gguf's own dequantizer, so
+    many reach neither q = 0 nor 15, and some have a scale of 0), Q4_0 with a negative d (its q = 8 gives -0.0,
+    which d q + m rebuilds as +0.0), Q5_0 (d (q - 16), in Q8 panels)."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(48, 6, 144), dtype=np.uint8)  # 48 rows of 6 super-blocks: 1536 inputs
+    for offset in (0, 2):  # d and dmin, fp16
+        scale = rng.uniform(1e-4, 3e-3, (48, 6)).astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(48, 6, 2)
+    w = torch.from_numpy(quants.dequantize(raw.reshape(48, -1), GGMLQuantizationType.Q4_K).astype(np.float32))
+    d, m, q = blocks.q4_blocks(w)
+    assert torch.equal(bits((d.unsqueeze(-1) * q + m.unsqueeze(-1)).reshape(48, 1536)), bits(w))
+    constant = w.view(-1, 32).amin(-1) == w.view(-1, 32).amax(-1)  # a scale of 0
+    assert ((q.amin(-1) > 0) | (q.amax(-1) < 15)).sum() > 100 and constant.sum() > 10  # of 2304 blocks
+    q4_0 = GRIDS["q4_0"][0](torch.randn(16, 64))
+    negative_zero = (q4_0 == 0) & q4_0.signbit()
+    assert negative_zero.any()
+    d, m, q = blocks.q4_blocks(q4_0)
+    rebuilt = (d.unsqueeze(-1) * q + m.unsqueeze(-1)).reshape(16, 64)
+    assert torch.equal(rebuilt, q4_0) and torch.equal(bits(rebuilt[~negative_zero]), bits(q4_0[~negative_zero]))
+    q5_0 = GRIDS["q5_0"][0](torch.randn(16, 64))
+    assert blocks.q4_blocks(q5_0) is None
+    d, q = blocks.q8_blocks(q5_0)
+    assert torch.equal(bits((d.unsqueeze(-1) * q).reshape(16, 64)), bits(q5_0)) and int(q.abs().max()) == 16
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 90])
@@ -131,6 +184,9 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
 GRIDS = {  # how a checkpoint's weights are snapped, the switch that turns their format off, its packed dtype
     "q4": (to_q4_grid, "HARPOON_CPU_Q4", torch.uint8),
     "q8": (to_q8_grid, "HARPOON_CPU_Q8", torch.int8),
+    "q4_0": (gguf_grid(GGMLQuantizationType.Q4_0), "HARPOON_CPU_Q4", torch.uint8),
+    "q4_k": (to_q4_k_grid, "HARPOON_CPU_Q4", torch.uint8),
+    "q5_0": (gguf_grid(GGMLQuantizationType.Q5_0), "HARPOON_CPU_Q8", torch.int8),
     "bf16": (lambda w: w.to(torch.bfloat16).float(), "HARPOON_CPU_BF16", torch.bfloat16),
 }
 
@@ -142,7 +198,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     screened; a bf16 one keeps fp32 panels, which the screened greedy head reads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    snap, switch, dtype = GRIDS[grid]
+    snap, _, dtype = GRIDS[grid]
     source = tiny_model("llama-mha-untied-llama3-rope")
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -156,7 +212,8 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     results = []
     for enabled in ("1", "0"):
-        monkeypatch.setenv(switch, enabled)
+        for each in {switch for _, switch, _ in GRIDS.values()}:  # off: all of them (Q4_0 blocks fit Q8 panels too)
+            monkeypatch.setenv(each, enabled)
         llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
                   max_num_batched_tokens=32)
         model = llm.engine.model
@@ -174,7 +231,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     assert [ids for ids, _ in results[0]] == [hf_greedy(hf, p, 16) for p in prompts]
 
 
-@pytest.mark.parametrize("grid", ["q4", "q8", "bf16", "fp32"])
+@pytest.mark.parametrize("grid", ["q4", "q8", "q4_0", "q4_k", "q5_0", "bf16", "fp32"])
 @pytest.mark.parametrize("k", [64, 800])  # 800: more than one KC slice of a panel
 def test_embedding_rows_read_from_panels_are_the_table_bit_for_bit(grid, k):
     n = 49  # rows in three panels, the last one part padding
@@ -182,8 +239,9 @@ def test_embedding_rows_read_from_panels_are_the_table_bit_for_bit(grid, k):
     w = GRIDS[grid][0](w) if grid in GRIDS else w
     packed = cpu.pack_weight_compact(w)
     assert packed.dtype == (GRIDS[grid][2] if grid in GRIDS else torch.float32)
+    table = w + 0.0 if grid == "q4_0" else w  # Q4_0's -0.0 comes back +0.0 (test_gguf_k_quant_and_legacy...)
     for ids in (torch.tensor([7]), torch.tensor([0, n - 1, 24, 23, 0]), torch.randint(0, n, (300,))):  # 300: threads
-        assert torch.equal(bits(cpu.embed_rows(packed, ids, n)), bits(w[ids]))
+        assert torch.equal(bits(cpu.embed_rows(packed, ids, n)), bits(table[ids]))
     for bad in (-1, n):
         with pytest.raises(IndexError, match=f"token id {bad} is out of range for an embedding of {n} rows"):
             cpu.embed_rows(packed, torch.tensor([3, bad]), n)

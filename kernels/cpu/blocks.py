@@ -8,7 +8,9 @@ and whose embedding, which is also the LM head, is Q8_0 (``d q`` with q in -127.
 bytes a weight; as Q4 panels 0.75 and as Q8 panels 1.125, and the kernel rebuilds the very fp32 values in
 registers, so products are bit-identical to the fp32 panels' (tested). Nothing is approximated: a weight is packed
 this way only when every one of its values is reproduced exactly; others take BF16 or fp32 panels
-(``pack_weight_compact``).
+(``pack_weight_compact``). The same panels hold the other GGUF formats that are such blocks per 32 inputs once
+dequantized: Q4_0 and Q4_K in Q4 panels (Q4_K's d and m have up to 17 significant bits, not 11: still exact), Q5_0
+in Q8 panels; Q5_1, Q5_K and Q6_K are not (a 5-bit q with an m, or a scale per 16 inputs) and keep fp32 panels.
 
 NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_Q8=0`` keep such weights in fp32 panels (for A/B measurements).
 """
@@ -57,44 +59,115 @@ def _exact_blocks(weight: torch.Tensor, find: Callable[[torch.Tensor], Blocks | 
     return find(weight.reshape(n, k // GROUP, GROUP))
 
 
-def _same_bits(rebuilt: torch.Tensor, blocks: torch.Tensor) -> bool:
-    return torch.equal(rebuilt.view(torch.int32), blocks.view(torch.int32))
+def _same_bits(rebuilt: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per block, whether every value is rebuilt bit for bit."""
+    return (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1)
+
+
+SCALE_BITS = 17  # significant bits of an fp16 times a 6-bit integer: a K-quant sub-block's scale or min
+
+
+def _round_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 ``x`` rounded to ``bits`` significant bits (half away from zero), as a candidate for a scale that has
+    that many; the exact check decides."""
+    drop = 24 - bits
+    i = x.contiguous().view(torch.int32)
+    return ((i + (1 << (drop - 1))) & ~((1 << drop) - 1)).view(torch.float32)
+
+
+def _same_values(rebuilt: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per block, whether every value is rebuilt. NOTE: by value, so a -0.0 weight may come back +0.0 (GGUF Q4_0
+    with a negative d gives -0.0 where q = 8; d q + m cannot): the panels' products still have the bits of the fp32
+    panels', as an accumulator that starts at +0.0 never becomes -0.0 (x + -0.0 is +0.0 for x = +0.0)."""
+    return (rebuilt == blocks).all(-1)
 
 
 def _q4_of(blocks: torch.Tensor) -> Blocks | None:
+    """Each block [..., 32] as d q + m, q in 0..15, trying the scales of GGUF's 4-bit formats in turn; a block keeps
+    the first d and m that rebuild every one of its values.
+    - Q4_1: m is the block's smallest value and d its range over 15, both fp16 (its quantizer maps the smallest
+      value to q = 0 and the largest to 15).
+    - Q4_0, d' (q - 8) with d' fp16: its quantizer maps the value of largest magnitude to q = 0, so that value is
+      -8 d'; as d q + m, d = |d'| and m = -8 d (d' > 0) or -7 d (d' < 0, q reversed).
+    - Q4_K: d and m (minus the sub-block's min) are each an fp16 times a 6-bit integer, so of at most 17
+      significant bits (``SCALE_BITS``), and its blocks need not reach q = 0 or 15. First d = the range over 15 and
+      m = the smallest value, rounded to 17 bits; then d = the range over the steps it spans (counted in the
+      smallest gap between two values) and m = the smallest value less d q_low, for each q_low it could have."""
+    shape, blocks = blocks.shape[:-1], blocks.reshape(-1, GROUP)
     low, high = blocks.amin(-1), blocks.amax(-1)
-    # NOTE: quantizing a block of GGUF Q4_1 maps its smallest value to q = 0 and its largest to q = 15, so m is the
-    # block's minimum and d its range over 15, both rounded to fp16; the check below decides, not this reasoning.
-    m = low.half().float()
-    d = ((high - low) / 15).half().float()
-    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+    if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
         return None
-    step = torch.where(d > 0, d, 1.0).unsqueeze(-1)
+    span = high - low
+    d, m = (span / 15).half().float(), low.half().float()
+    q, done = _q4_fit(blocks, d, m)  # every block at once: the default weights' Q4_1 stop here
+    todo = (~done).nonzero().squeeze(-1)
+
+    def settle(step: torch.Tensor, least: torch.Tensor) -> torch.Tensor:
+        """Gives the blocks of ``todo`` that ``step`` and ``least`` rebuild those; returns which are left."""
+        fit, ok = _q4_fit(blocks[todo], step, least)
+        won = todo[ok]
+        d[won], m[won], q[won] = step[ok], least[ok], fit[ok]
+        return ~ok
+
+    if len(todo):
+        largest = torch.where(-low[todo] > high[todo], low[todo], high[todo])
+        step = _round_bits(largest.abs() / 8, SCALE_BITS)  # every d here has at most 17 bits: d q is exact
+        todo = todo[settle(step, torch.where(largest < 0, -8 * step, -7 * step))]
+    if len(todo):
+        todo = todo[settle(_round_bits(span[todo] / 15, SCALE_BITS), _round_bits(low[todo], SCALE_BITS))]
+    if len(todo):
+        gaps = blocks[todo].sort(-1).values.diff(dim=-1)
+        gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
+        steps = torch.where(torch.isfinite(gap), torch.round(span[todo] / gap), 1.0)
+        step = _round_bits(span[todo] / steps, SCALE_BITS)  # 0 for a block of one value
+        for q_low in range(16):
+            left = settle(step, _round_bits((low[todo].double() - step.double() * q_low).float(), SCALE_BITS))
+            todo, step = todo[left], step[left]
+            if not len(todo):
+                break
+    if len(todo):
+        return None
+    return d.view(shape), m.view(shape), q.to(torch.uint8).view(*shape, GROUP)
+
+
+def _q4_fit(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, whether d q + m rebuilds each block): q the nearest in 0..15. d q is exact (d of at most 17 significant
+    bits, q of 4): one rounding, as in the kernel, fused or not."""
+    step = torch.where(d != 0, d, 1.0).unsqueeze(-1)
     q = torch.round((blocks - m.unsqueeze(-1)) / step).clamp_(0, 15)
-    rebuilt = d.unsqueeze(-1) * q + m.unsqueeze(-1)  # d q is exact: one rounding, as in the kernel
-    return (d, m, q.to(torch.uint8)) if _same_bits(rebuilt, blocks) else None
+    return q, _same_values(d.unsqueeze(-1) * q + m.unsqueeze(-1), blocks)
 
 
 def _q8_of(blocks: torch.Tensor) -> Blocks | None:
-    # NOTE: GGUF Q8_0 maps a block's largest magnitude to q = +-127, so d is that magnitude over 127 (an fp16 value,
-    # checked); again the bitwise check decides.
-    d = blocks.abs().amax(-1) / 127
-    if not torch.isfinite(d).all() or not torch.equal(d.half().float(), d):
-        return None
-    q = torch.round(blocks / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    # d q is exact; rebuilt from the integers, so a -0.0 weight (which d 0 cannot give) is refused
-    return (d, q) if _same_bits(d.unsqueeze(-1) * q, blocks) else None
+    """Each block [..., 32] as d q, d an fp16 value and q in -127..127, trying in turn the d of GGUF's Q8_0 (the
+    largest magnitude over 127, as its quantizer maps that value to q = +-127) and of Q5_0 (d (q - 16) with q in
+    0..31: minus the value of largest magnitude over 16, as its quantizer maps that to q = 0); each block keeps the
+    first that rebuilds every one of its values, bit for bit."""
+    largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d, q, done = None, None, None
+    # a block of zeros keeps their sign in d (gguf's quantizer gives a -0.0 d for it, and d 0 = -0.0)
+    for scale in (largest.abs() / 127, torch.where(largest == 0, largest, largest / -16)):
+        step = torch.where(scale != 0, scale, 1.0).unsqueeze(-1)
+        fit = torch.round(blocks / step).clamp_(-127, 127).to(torch.int8)
+        # d q is exact; rebuilt from the integers, bit for bit: a -0.0 weight only where d q gives it (d <= -0.0)
+        ok = _same_bits(scale.unsqueeze(-1) * fit, blocks) & torch.isfinite(scale) & (scale.half().float() == scale)
+        if d is None:
+            d, q, done = scale, fit, ok
+        else:
+            d, q, done = torch.where(done, d, scale), torch.where(done.unsqueeze(-1), q, fit), done | ok
+    return (d, q) if bool(done.all()) else None
 
 
 def q4_blocks(weight: torch.Tensor) -> Blocks | None:
-    """(d [N, K/32], m [N, K/32], q [N, K/32, 32] uint8) with ``d q + m`` bit-identical to ``weight`` [N, K] fp32,
-    d and m fp16 values, q in 0..15; None where any block is not of that form (or K % 32 != 0)."""
+    """(d [N, K/32], m [N, K/32], q [N, K/32, 32] uint8) with ``d q + m`` equal to ``weight`` [N, K] fp32 (bit for
+    bit but for the sign of a zero, see ``_same_values``), d and m of at most 17 significant bits, q in 0..15; None
+    where any block is not of that form (or K % 32 != 0)."""
     return _exact_blocks(weight, _q4_of)
 
 
 def q8_blocks(weight: torch.Tensor) -> Blocks | None:
     """(d [N, K/32], q [N, K/32, 32] int8) with ``d q`` bit-identical to ``weight`` [N, K] fp32, d an fp16 value, q
-    in -127..127; None where any block is not of that form (or K % 32 != 0)."""
+    in -127..127 (GGUF Q8_0 or Q5_0); None where any block is not of that form (or K % 32 != 0)."""
     return _exact_blocks(weight, _q8_of)
 
 
