@@ -102,26 +102,29 @@ def _q4_of(blocks: torch.Tensor) -> Blocks | None:
     q, done = _q4_fit(blocks, d, m)  # every block at once: the default weights' Q4_1 stop here
     todo = (~done).nonzero().squeeze(-1)
 
-    def settle(step: torch.Tensor, least: torch.Tensor) -> torch.Tensor:
-        """Gives the blocks of ``todo`` that ``step`` and ``least`` rebuild those; returns which are left."""
-        fit, ok = _q4_fit(blocks[todo], step, least)
-        won = todo[ok]
+    def settle(idx: torch.Tensor, step: torch.Tensor, least: torch.Tensor) -> torch.Tensor:
+        """Gives the blocks ``idx`` that ``step`` and ``least`` rebuild those; returns which of ``idx`` are left."""
+        fit, ok = _q4_fit(blocks[idx], step, least)
+        won = idx[ok]
         d[won], m[won], q[won] = step[ok], least[ok], fit[ok]
         return ~ok
 
     if len(todo):
         largest = torch.where(-low[todo] > high[todo], low[todo], high[todo])
-        step = _round_bits(largest.abs() / 8, SCALE_BITS)  # every d here has at most 17 bits: d q is exact
-        todo = todo[settle(step, torch.where(largest < 0, -8 * step, -7 * step))]
+        step = largest.abs() / 8
+        fp16 = step.half().float() == step  # few blocks of other formats: fit only these
+        least = torch.where(largest < 0, -8 * step, -7 * step)
+        tried = todo[fp16]
+        todo = torch.cat([todo[~fp16], tried[settle(tried, step[fp16], least[fp16])]])
     if len(todo):
-        todo = todo[settle(_round_bits(span[todo] / 15, SCALE_BITS), _round_bits(low[todo], SCALE_BITS))]
+        todo = todo[settle(todo, _round_bits(span[todo] / 15, SCALE_BITS), _round_bits(low[todo], SCALE_BITS))]
     if len(todo):
         gaps = blocks[todo].sort(-1).values.diff(dim=-1)
         gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
         steps = torch.where(torch.isfinite(gap), torch.round(span[todo] / gap), 1.0)
         step = _round_bits(span[todo] / steps, SCALE_BITS)  # 0 for a block of one value
         for q_low in range(16):
-            left = settle(step, _round_bits((low[todo].double() - step.double() * q_low).float(), SCALE_BITS))
+            left = settle(todo, step, _round_bits((low[todo].double() - step.double() * q_low).float(), SCALE_BITS))
             todo, step = todo[left], step[left]
             if not len(todo):
                 break
@@ -155,7 +158,9 @@ def _q8_of(blocks: torch.Tensor) -> Blocks | None:
             d, q, done = scale, fit, ok
         else:
             d, q, done = torch.where(done, d, scale), torch.where(done.unsqueeze(-1), q, fit), done | ok
-    return (d, q) if bool(done.all()) else None
+        if bool(done.all()):  # the default weights' Q8_0 stop here
+            return d, q
+    return None
 
 
 def q4_blocks(weight: torch.Tensor) -> Blocks | None:
