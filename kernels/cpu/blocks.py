@@ -144,23 +144,27 @@ def _q4_fit(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[tor
 def _q8_of(blocks: torch.Tensor) -> Blocks | None:
     """Each block [..., 32] as d q, d an fp16 value and q in -127..127, trying in turn the d of GGUF's Q8_0 (the
     largest magnitude over 127, as its quantizer maps that value to q = +-127) and of Q5_0 (d (q - 16) with q in
-    0..31: minus the value of largest magnitude over 16, as its quantizer maps that to q = 0); each block keeps the
+    0..31: minus the value of largest magnitude over 16, as its quantizer maps that to q = 0); a block keeps the
     first that rebuilds every one of its values, bit for bit."""
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
-    d, q, done = None, None, None
-    # a block of zeros keeps their sign in d (gguf's quantizer gives a -0.0 d for it, and d 0 = -0.0)
-    for scale in (largest.abs() / 127, torch.where(largest == 0, largest, largest / -16)):
-        step = torch.where(scale != 0, scale, 1.0).unsqueeze(-1)
-        fit = torch.round(blocks / step).clamp_(-127, 127).to(torch.int8)
-        # d q is exact; rebuilt from the integers, bit for bit: a -0.0 weight only where d q gives it (d <= -0.0)
-        ok = _same_bits(scale.unsqueeze(-1) * fit, blocks) & torch.isfinite(scale) & (scale.half().float() == scale)
-        if d is None:
-            d, q, done = scale, fit, ok
-        else:
-            d, q, done = torch.where(done, d, scale), torch.where(done.unsqueeze(-1), q, fit), done | ok
-        if bool(done.all()):  # the default weights' Q8_0 stop here
-            return d, q
-    return None
+    d = largest.abs() / 127
+    q, done = _q8_fit(blocks, d)  # every block at once: the default weights' Q8_0 stop here
+    todo = (~done).nonzero(as_tuple=True)
+    if len(todo[0]):
+        # a block of zeros keeps their sign in d (gguf's quantizer gives a -0.0 d for it, and d 0 = -0.0)
+        scale = torch.where(largest[todo] == 0, largest[todo], largest[todo] / -16)
+        fit, ok = _q8_fit(blocks[todo], scale)
+        if not bool(ok.all()):
+            return None
+        d[todo], q[todo] = scale, fit
+    return d, q
+
+
+def _q8_fit(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, whether d q rebuilds each block bit for bit): q the nearest in -127..127, d an fp16 value (checked), so d
+    q is exact; rebuilt from the integers, so a -0.0 weight only where d q gives it (d <= -0.0)."""
+    q = torch.round(blocks / torch.where(d != 0, d, 1.0).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, _same_bits(d.unsqueeze(-1) * q, blocks) & torch.isfinite(d) & (d.half().float() == d)
 
 
 def q4_blocks(weight: torch.Tensor) -> Blocks | None:
