@@ -21,11 +21,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from loadtest.client import request_body, send
+from loadtest.client import request_body, send, session
 from loadtest.datasets import BenchRequest, build_requests
 from loadtest.metrics import parse_goodput, records_as_dicts, summarize
 
@@ -54,21 +54,23 @@ class BenchConfig:
     tokenizer: str | None = None
 
 
-async def wait_healthy(http: httpx.AsyncClient, timeout: float) -> None:
+async def wait_healthy(http: aiohttp.ClientSession, base_url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if (await http.get("/health", timeout=5)).status_code == 200:
-                return
-        except httpx.HTTPError:
+            async with http.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
+                if response.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{http.base_url}/health did not answer 200 within {timeout:.0f} s")
+            raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
         await asyncio.sleep(0.5)
 
 
-async def served_model(http: httpx.AsyncClient) -> str:
-    data = (await http.get("/v1/models")).json()
+async def served_model(http: aiohttp.ClientSession, base_url: str) -> str:
+    async with http.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=60)) as response:
+        data = await response.json()
     return data["data"][0]["id"]
 
 
@@ -83,14 +85,15 @@ async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float
 
 async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = True) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits, timeout=60) as http:
-        await wait_healthy(http, cfg.health_timeout)
-        model = cfg.model or await served_model(http)
+    base_url = cfg.base_url.rstrip("/")
+    url = base_url + cfg.endpoint
+    async with session(headers) as http:
+        await wait_healthy(http, base_url, cfg.health_timeout)
+        model = cfg.model or await served_model(http, base_url)
         for i in range(cfg.num_warmups):
             warm = replace(requests[i % len(requests)], output_len=min(16, requests[0].output_len))
             body = request_body(cfg.endpoint, model, warm, cfg.ignore_eos, cfg.temperature)
-            await send(http, cfg.endpoint, body, 0.0, cfg.request_timeout)
+            await send(http, url, body, 0.0, cfg.request_timeout)
         semaphore = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         bar = tqdm(total=len(requests), desc=f"{cfg.base_url} c={cfg.max_concurrency or 'inf'}", disable=not progress,
                    file=sys.stderr, leave=False)
@@ -99,7 +102,7 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
         async def one(request: BenchRequest):
             async with semaphore:
                 body = request_body(cfg.endpoint, model, request, cfg.ignore_eos, cfg.temperature)
-                record = await send(http, cfg.endpoint, body, bench_start, cfg.request_timeout)
+                record = await send(http, url, body, bench_start, cfg.request_timeout)
             bar.update(1)
             return record
 

@@ -1,14 +1,16 @@
 """loadtest/: metric definitions on hand-made timelines, and a short real run against a test server."""
 
+import asyncio
 import json
 import subprocess
 
 import pytest
 
 import kernels.cpu as cpu_kernels
+from loadtest.client import send, session
 from loadtest.metrics import RequestRecord, parse_goodput, record_from_timeline, summarize
 from loadtest.serve import main as bench_main
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, free_port
 
 
 def test_record_from_timeline_matches_vllm_definitions():
@@ -42,6 +44,74 @@ def test_summarize_percentiles_throughput_and_goodput():
     assert s["goodput"]["requests"] == 1 and s["goodput"]["request_goodput"] == pytest.approx(0.5)
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+# What a canned server writes for each path, in separate writes (the client must join an event split across them).
+_TOKEN = {"choices": [{"index": 0, "text": "ab"}]}
+_USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}
+_STREAMS = {
+    "/ok": [_event(_TOKEN)[:9], _event(_TOKEN)[9:] + _event(_TOKEN), _event(_TOKEN) + _event(_USAGE),
+            b"data: [DONE]\r\n\r\n"],
+    "/no-usage": [_event(_TOKEN), b"data: [DONE]\r\n\r\n"],
+    "/stream-error": [_event(_TOKEN), _event({"error": {"message": "engine failed"}})],
+    "/not-json": [b"data: {oops\r\n\r\n"],
+}
+
+
+async def _canned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+    path = head.split(" ")[1]
+    length = next(int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length"))
+    await reader.readexactly(length)
+    if path == "/bad":
+        body = json.dumps({"error": {"message": "max_tokens must be at least 1", "type": "invalid_request_error"}})
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        if path == "/slow":  # nothing more until the client gives up and closes
+            await writer.drain()
+            await reader.read()
+            writer.close()
+            return
+        for part in _STREAMS.get(path, [_event(_TOKEN)]):
+            writer.write(_chunk(part))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if path != "/cut":  # /cut drops the connection mid-stream, with no closing chunk
+            writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+async def test_client_times_streams_and_turns_every_failure_into_a_record():
+    server = await asyncio.start_server(_canned, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server, session() as http:
+        records = {path: await send(http, base + path, {"prompt": "x"}, bench_start=0.0, timeout=1.0)
+                   for path in ["/ok", "/bad", "/no-usage", "/stream-error", "/not-json", "/cut", "/slow"]}
+        records["refused"] = await send(http, f"http://127.0.0.1:{free_port()}/v1/completions", {}, 0.0, 1.0)
+    ok = records.pop("/ok")
+    assert ok.success and ok.text == "ababab" and ok.output_tokens == 3 and ok.prompt_tokens == 3
+    # Each event is timed when its last byte arrives: the first two complete in the same read.
+    assert ok.ttft >= 0.01 and len(ok.itl) == 2 and ok.itl[0] == 0 and ok.itl[1] >= 0.01
+    assert records["/bad"].error.startswith("HTTP 400: ") and "max_tokens" in records["/bad"].error
+    assert "no usage" in records["/no-usage"].error
+    assert records["/stream-error"].error == "stream error: engine failed"
+    assert records["/not-json"].error.startswith("JSONDecodeError")
+    assert records["/cut"].error.startswith("ClientPayloadError")
+    assert records["/slow"].error.startswith("TimeoutError")
+    assert records["refused"].error.startswith("ClientConnectorError")
+    assert not any(r.success for r in records.values())
 
 
 def test_short_real_sweep_writes_results_and_plots(tmp_path):
