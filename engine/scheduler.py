@@ -128,16 +128,20 @@ class Scheduler:
         """Prompt tokens the coming step may compute beside the running requests' decodes.
 
         With ``prefill_tokens_per_decode`` set, a step that decodes carries at most that many prompt tokens per
-        decode (at least one block's worth), so each prefill chunk lengthens the gap between two tokens of every
-        running stream by a bounded fraction, and prompts are folded into the decode steps in small pieces
-        (Sarathi-Serve's piggybacking); a step with nothing to decode takes the whole token budget.
+        decode, counting each waiting request it could admit as a decode to be (and at least one block's worth),
+        so each prefill chunk lengthens the gap between two tokens of every running stream by a bounded fraction,
+        and prompts are folded into the decode steps in small pieces (Sarathi-Serve's piggybacking). The waiting
+        count keeps a burst from entering one prompt at a time beside its first few streams: the budget follows
+        the requests the engine holds, not how many of them it has started. A step with nothing to decode takes
+        the whole token budget.
         """
         if self.prefill_tokens_per_decode is None:
             return self.max_num_batched_tokens
         num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         if num_decodes == 0:
             return self.max_num_batched_tokens
-        return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * num_decodes))
+        admittable = max(0, min(len(self.waiting), self.max_num_seqs - len(self.running)))
+        return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * (num_decodes + admittable)))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

@@ -175,7 +175,8 @@ def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
     family = "linear" if backend == "cpu" else "aten::"
     assert all(family in r and "other" in r for r in rows)
     mixed = [line.split("|")[1].strip() for line in out.splitlines() if " decodes + " in line]
-    # 3 prompt tokens per decode, at least a block (16): the 9-token prompt runs whole beside either batch
+    # 2 prompt tokens per decode or waiting request, at least a block (16): the 9-token prompt runs whole beside
+    # either batch
     assert mixed == (["1 decodes + 9 prompt tokens", "3 decodes + 9 prompt tokens"] if backend == "cpu" else [])
 
 

@@ -184,9 +184,9 @@ def test_abort_mid_chunked_prefill_frees_blocks():
 
 
 def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
-    """A step that decodes carries at most ratio x decodes prompt tokens (never under one block); a step with
-    nothing to decode takes the whole budget."""
-    sched, bm = make_scheduler(num_blocks=64, budget=64, prefill_tokens_per_decode=1.5)
+    """A step that decodes carries at most ratio x (decodes + waiting requests it could admit) prompt tokens, never
+    under one block; a step with nothing to decode takes the whole budget."""
+    sched, bm = make_scheduler(num_blocks=64, budget=64, max_num_seqs=7, prefill_tokens_per_decode=1.5)
     first = [make(f"d{i}", 2, max_tokens=30) for i in range(4)]
     for r in first:
         sched.add_request(r)
@@ -196,16 +196,21 @@ def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
     sched.add_request(late)
     sched.add_request(longer)
     out, _ = run_step(sched, bm)
-    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "late": 6}  # 1.5 x 4 decodes
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "late": 9}  # 1.5 x (4 decodes + 2 waiting)
     out, _ = run_step(sched, bm)
-    assert out.num_scheduled_tokens["late"] == 6 and "longer" not in out.num_scheduled_tokens
-    for r in first[1:]:
+    assert out.num_scheduled_tokens["late"] == 7 and "longer" not in out.num_scheduled_tokens  # 1.5 x (4 + 1)
+    more = [make(f"w{i}", 40) for i in range(3)]
+    for r in more:
+        sched.add_request(r)
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens["late"] == 9  # 4 waiting, but only 7 - 5 running = 2 of them could be admitted
+    for r in first[1:] + more:
         sched.abort_request(r.request_id)
     out, _ = run_step(sched, bm)
-    assert out.num_scheduled_tokens == {"d0": 1, "late": 4}  # one decode: the floor of one block (4 tokens)
+    assert out.num_scheduled_tokens == {"d0": 1, "late": 4}  # 1.5 x (1 + 1) = 3: the floor of one block (4 tokens)
     sched.abort_request("d0")
     out, _ = run_step(sched, bm)
-    assert out.num_scheduled_tokens == {"late": 24, "longer": 40}  # no decodes left: the whole budget
+    assert out.num_scheduled_tokens == {"late": 11, "longer": 40}  # no decodes left: the whole budget
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
