@@ -49,7 +49,7 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, bench_start: f
             if response.status != 200:
                 detail = (await response.read()).decode(errors="replace")[:300]
                 return RequestRecord(start=start, error=f"HTTP {response.status}: {detail}")
-            pending = b""
+            pending, done = b"", False
             async for data in response.content.iter_any():
                 now = time.perf_counter()
                 *lines, pending = (pending + data).split(b"\n")
@@ -58,6 +58,7 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, bench_start: f
                         continue
                     payload = line[len(b"data: "):].strip()
                     if payload == b"[DONE]":
+                        done = True
                         break
                     event = json.loads(payload)
                     if "error" in event:
@@ -68,6 +69,8 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, bench_start: f
                         chunk_times.append(now)
                         choice = event["choices"][0]
                         text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                if done:
+                    break
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         return RequestRecord(start=start, error=f"{type(e).__name__}: {e}")
     if not usage:

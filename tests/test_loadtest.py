@@ -59,7 +59,7 @@ _TOKEN = {"choices": [{"index": 0, "text": "ab"}]}
 _USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}
 _STREAMS = {
     "/ok": [_event(_TOKEN)[:9], _event(_TOKEN)[9:] + _event(_TOKEN), _event(_TOKEN) + _event(_USAGE),
-            b"data: [DONE]\r\n\r\n"],
+            b"data: [DONE]\r\n\r\n" + _event(_TOKEN), _event(_TOKEN)],  # nothing after [DONE] counts
     "/no-usage": [_event(_TOKEN), b"data: [DONE]\r\n\r\n"],
     "/stream-error": [_event(_TOKEN), _event({"error": {"message": "engine failed"}})],
     "/not-json": [b"data: {oops\r\n\r\n"],
