@@ -1,4 +1,5 @@
-"""loadtest/: metric definitions on hand-made timelines, and a short real run against a test server."""
+"""loadtest/: metric definitions on hand-made timelines, the stream client against a canned server, and a short real
+run against a test server."""
 
 import asyncio
 import json
