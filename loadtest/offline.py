@@ -5,9 +5,12 @@
 2. The new-token sweep: one prompt, ``max_tokens`` in 32/128/512/1024, greedy, for Harpoon and for transformers'
    ``generate`` with and without its KV cache, printing ``| new_tokens | tok/s | ms/tok | TTFT (ms) | peak MB |``.
    ms/tok is the time per output token after the first (TPOT); peak MB is the process's peak RSS during the run.
+   With ``--rounds N`` Harpoon runs the points round-robin N times and reports each point's median run: this
+   machine kind drifts by 5-25% over minutes, enough to decide a ratio between two single runs.
 
     python -m loadtest.offline                       # both parts, default model
     python -m loadtest.offline --part sweep --sweep 32,128 --no-hf
+    python -m loadtest.offline --part sweep --sweep 32,1024 --no-hf --rounds 5
 """
 
 from __future__ import annotations
@@ -84,6 +87,16 @@ def harpoon_sweep_point(llm: LLM, prompt_ids: list[int], new_tokens: int) -> Swe
     return _row("harpoon", new_tokens, start, first, end, peak.mb)
 
 
+def harpoon_sweep(llm: LLM, prompt_ids: list[int], points: list[int], rounds: int) -> list[SweepRow]:
+    """Each point ``rounds`` times, round-robin, so drift lands on every point alike; per point the run of median
+    ms/token (the lower middle one for an even count)."""
+    runs: dict[int, list[SweepRow]] = {n: [] for n in points}
+    for _ in range(rounds):
+        for n in points:
+            runs[n].append(harpoon_sweep_point(llm, prompt_ids, n))
+    return [sorted(rows, key=lambda r: r.ms_per_token)[(rounds - 1) // 2] for rows in runs.values()]
+
+
 def hf_sweep_point(model, prompt_ids: list[int], new_tokens: int, use_cache: bool) -> SweepRow:
     from transformers.generation.streamers import BaseStreamer
 
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-input-len", type=int, default=256)
     parser.add_argument("--max-output-len", type=int, default=256)
     parser.add_argument("--sweep", default="32,128,512,1024", help="comma-separated new-token counts")
+    parser.add_argument("--rounds", type=int, default=1, help="Harpoon's sweep points run round-robin this often")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers rows of the sweep")
     parser.add_argument(
         "--hf-no-cache-max",
@@ -153,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the results as JSON to this file")
     args, engine_flags = parser.parse_known_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = _parse_engine_flags(engine_flags)
 
@@ -175,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt_ids = llm.tokenizer.encode(SWEEP_PROMPT)
         points = [int(n) for n in args.sweep.split(",")]
         harpoon_sweep_point(llm, prompt_ids, 8)  # warm-up
-        rows = [harpoon_sweep_point(llm, prompt_ids, n) for n in points]
+        rows = harpoon_sweep(llm, prompt_ids, points, args.rounds)
         if not args.no_hf:
             from transformers import AutoModelForCausalLM
 
@@ -187,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += [hf_sweep_point(hf, prompt_ids, n, False) for n in points if n <= args.hf_no_cache_max]
         results["sweep"] = [asdict(r) for r in rows]
         print_sweep(rows)
+        first, last = rows[0], rows[len(points) - 1]
+        growth = last.ms_per_token / first.ms_per_token - 1
+        print(f"\nharpoon: ms/token at {last.new_tokens} new tokens is {growth:+.1%} against {first.new_tokens} "
+              f"(median of {args.rounds} round-robin runs each)")
     if args.save:
         with open(args.save, "w") as f:
             json.dump(results, f, indent=2)

@@ -189,6 +189,29 @@ def test_first_bursts_times_each_burst_in_order(tiny_model, capsys):
     assert [int(n) for n, _ in rows] == [1, 3, 2] and all(float(ms) > 0 for _, ms in rows)
 
 
+
+def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_model, capsys, monkeypatch):
+    from loadtest import offline
+
+    calls, point = [], offline.harpoon_sweep_point
+
+    def timed(llm, prompt_ids, new_tokens):
+        row = point(llm, [5, 6, 7], new_tokens)  # the tiny model's vocabulary is smaller than the tokenizer's
+        calls.append(new_tokens)
+        runs = {8: [1.0], 4: [3.0, 1.0, 2.0], 6: [5.0, 9.0, 4.0]}  # 8: the warm-up
+        row.ms_per_token = runs[new_tokens][calls.count(new_tokens) - 1]
+        return row
+
+    monkeypatch.setattr(offline, "harpoon_sweep_point", timed)
+    offline.main(["--model", str(tiny_model("llama-gqa-tied")), "--part", "sweep", "--sweep", "4,6", "--no-hf",
+                  "--rounds", "3"])
+    assert calls == [8, 4, 6, 4, 6, 4, 6]  # the warm-up, then round-robin
+    out = capsys.readouterr().out
+    assert "| 4 | " in out and "| 2.0 |" in out and "| 5.0 |" in out  # the medians
+    assert "ms/token at 6 new tokens is +150.0% against 4 (median of 3 round-robin runs each)" in out
+    with pytest.raises(SystemExit):
+        offline.main(["--part", "sweep", "--rounds", "0"])
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     from loadtest.kernel_ab import main as kernel_ab_main
