@@ -1,5 +1,7 @@
 """Incremental detokenization: what streaming emits, token by token."""
 
+import random
+
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -11,6 +13,7 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
     for i, token_id in enumerate(token_ids):
         stopped = detok.add([token_id])
         end = detok.stable_text_end(finished=stopped or i == len(token_ids) - 1)
+        assert sent <= end <= len(detok.text), "the stream took back text it had sent"
         emitted.append(detok.text[sent:end])
         sent = end
         if stopped:
@@ -46,3 +49,26 @@ def test_stop_string_found_across_token_boundaries_and_earliest_wins(smollm2_tok
     detok = IncrementalDetokenizer(smollm2_tokenizer, [1], stop=("ghi", "c d"))
     stream(detok, ids)
     assert detok.text == "ab" and detok.stop_reason == "c d"
+
+
+def test_random_texts_stream_a_whole_decode_cut_at_the_first_stop_to_complete(smollm2_tokenizer):
+    """Random texts of multi-byte characters, contractions and spaces, with stop strings cut from them (or absent):
+    the stream never takes text back, and it equals decoding the tokens whole, token by token, up to the first
+    token whose text holds a stop string, cut where that stop starts (the earliest one if several)."""
+    tok, rng = smollm2_tokenizer, random.Random(0)
+    words = ["hi", " there", ",", " .", "?", " don't", " 😀", "é", " 東京", "\n", " ,", "'s", " ", "  ", "c d", "😀😀"]
+    for _ in range(300):
+        ids = tok.encode("".join(rng.choice(words) for _ in range(rng.randint(1, 20))))
+        whole = tok.decode(ids)
+        starts = [rng.randrange(len(whole)) for _ in range(rng.randint(1, 3))]
+        stop = tuple(whole[i : i + rng.randint(1, 5)] if rng.random() < 0.7 else "zz" for i in starts)
+        detok = IncrementalDetokenizer(tok, [1, 2], stop=stop)
+        streamed = "".join(stream(detok, ids))
+        expected = whole
+        for k in range(len(ids)):
+            text = tok.decode(ids[: k + 1]).rstrip("\ufffd")  # a character still incomplete is not text yet
+            hits = [text.find(s) for s in stop if s in text]
+            if hits:
+                expected = text[: min(hits)]
+                break
+        assert streamed == detok.text == expected, (stop, whole)
