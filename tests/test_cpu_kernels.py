@@ -36,8 +36,10 @@ def test_linear_matches_float64(m, k, n):
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 128, 32), (8, 2, 64, 4), (4, 1, 32, 16)]
 )
-def test_paged_decode_attention(heads, kv_heads, head_dim, block_size):
-    seq_lens = [1, 5, 16, 17, 100, 333, 1000]
+@pytest.mark.parametrize(  # fewer than 8 sequences split their contexts in 64-position chunks, 8 or more in 256
+    "seq_lens", [[1, 5, 16, 17, 100, 333, 1000], [1, 5, 16, 17, 64, 65, 255, 256, 257, 513, 1000]]
+)
+def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, seq_lens):
     k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, seed=heads)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
