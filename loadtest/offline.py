@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         print_sweep(rows)
         first, last = rows[0], rows[len(points) - 1]
         growth = last.ms_per_token / first.ms_per_token - 1
+        runs = f"the median of {args.rounds} runs taken round-robin" if args.rounds > 1 else "one run"
         print(f"\nharpoon: ms/token at {last.new_tokens} new tokens is {growth:+.1%} against {first.new_tokens} "
-              f"(median of {args.rounds} round-robin runs each)")
+              f"(per point, {runs})")
     if args.save:
         with open(args.save, "w") as f:
             json.dump(results, f, indent=2)

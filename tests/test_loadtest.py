@@ -189,7 +189,6 @@ def test_first_bursts_times_each_burst_in_order(tiny_model, capsys):
     assert [int(n) for n, _ in rows] == [1, 3, 2] and all(float(ms) > 0 for _, ms in rows)
 
 
-
 def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_model, capsys, monkeypatch):
     from loadtest import offline
 
@@ -208,9 +207,10 @@ def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_mode
     assert calls == [8, 4, 6, 4, 6, 4, 6]  # the warm-up, then round-robin
     out = capsys.readouterr().out
     assert "| 4 | " in out and "| 2.0 |" in out and "| 5.0 |" in out  # the medians
-    assert "ms/token at 6 new tokens is +150.0% against 4 (median of 3 round-robin runs each)" in out
+    assert "ms/token at 6 new tokens is +150.0% against 4 (per point, the median of 3 runs taken round-robin)" in out
     with pytest.raises(SystemExit):
         offline.main(["--part", "sweep", "--rounds", "0"])
+
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
