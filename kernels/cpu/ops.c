@@ -135,16 +135,16 @@ static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w <
 enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8 };
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
- * Q4_1 blocks, as the default SmolLM2 weights are, or Q4_0 or Q4_K; d of at most 17 significant bits): for each 32 k of a panel, d [NR] and m [NR] as floats, then
- * the nibbles as [4][NV][8] 32-bit lanes, lane l of vector v holding column 8 v + l at eight consecutive k, k
- * (mod 8) in bits 4k..4k+3. 0.75 bytes a weight instead of 4. */
+ * Q4_1 blocks, as the default SmolLM2 weights are, or Q4_0 or Q4_K; d of at most 17 significant bits): for each 32 k
+ * of a panel, d [NR] and m [NR] as floats, then the nibbles as [4][NV][8] 32-bit lanes, lane l of vector v holding
+ * column 8 v + l at eight consecutive k, k (mod 8) in bits 4k..4k+3. 0.75 bytes a weight instead of 4. */
 #define Q4_GROUP 32
 #define Q4_BLOCK_BYTES (2 * NR * 4 + Q4_GROUP * NR / 2)
 
 /* Q8 panels hold weights that are exactly d q with q in -127..127 and d per 32 consecutive k of a column (GGUF's
- * Q8_0 or Q5_0 blocks, as the default SmolLM2 embedding, which is also its LM head): for each 32 k of a panel, d [NR] as
- * floats, then the bytes in the int8 panel layout (four consecutive k of one column per 32-bit lane). 1.125 bytes a
- * weight instead of 4. */
+ * Q8_0 or Q5_0 blocks, as the default SmolLM2 embedding, which is also its LM head): for each 32 k of a panel, d [NR]
+ * as floats, then the bytes in the int8 panel layout (four consecutive k of one column per 32-bit lane). 1.125 bytes
+ * a weight instead of 4. */
 #define Q8_GROUP 32
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_GROUP * NR)
 _Static_assert(Q4_GROUP == Q8_GROUP, "micro_kernel walks the blocks of both formats in one loop");
@@ -159,7 +159,8 @@ static inline v8f bf16_load8(const unsigned short *p) {
 }
 
 /* Weight kk (0..7) of the eight k in each lane of a Q4 nibble vector, dequantized: d q + m. d q is exact (a d of at
- * most 17 significant bits times a 4-bit q), so the one rounding of the add (fused or not) gives the bits of the fp32 weight. */
+ * most 17 significant bits times a 4-bit q), so the one rounding of the add (fused or not) gives the bits of the fp32
+ * weight. */
 static inline v8f q4_lane(v8i w, int kk, v8f d, v8f m) {
     return d * __builtin_convertvector((w >> (4 * kk)) & 15, v8f) + m;
 }
