@@ -181,6 +181,19 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     assert cpu.pack_weight_compact(bf16.to(torch.bfloat16).float()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_block_off_the_grid_anywhere_refuses_the_weight(where):
+    """The search stops early once a block is refused, each thread in its own part of the weight: whichever block it
+    is, the whole weight is refused."""
+    gen = torch.Generator().manual_seed(1)
+    for grid, find in ((to_q4_grid, blocks.q4_blocks), (to_q8_grid, blocks.q8_blocks)):
+        w = grid(torch.randn(256, 512, generator=gen))
+        assert find(w) is not None
+        row, col = {"first": (0, 0), "middle": (128, 300), "last": (255, 511)}[where]
+        w[row, col] = torch.nextafter(w[row, col], torch.tensor(10.0))
+        assert find(w) is None
+
+
 GRIDS = {  # how a checkpoint's weights are snapped, the switch that turns their format off, its packed dtype
     "q4": (to_q4_grid, "HARPOON_CPU_Q4", torch.uint8),
     "q8": (to_q8_grid, "HARPOON_CPU_Q8", torch.int8),

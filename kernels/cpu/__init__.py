@@ -1,5 +1,5 @@
-"""fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step), compiled on first use
-with the host's C compiler and loaded with ctypes.
+"""fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step; ``blocks.c`` finds the
+4- and 8-bit blocks of weights at load), compiled on first use with the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -24,7 +24,7 @@ import torch
 
 from kernels.cpu import blocks
 
-_SOURCES = (Path(__file__).with_name("ops.c"), Path(__file__).with_name("decoder.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.c", "decoder.c", "blocks.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
@@ -77,8 +77,9 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
+    "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
 }
-_RESULTS = {"hp_embed_rows": _c_int}
+_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
