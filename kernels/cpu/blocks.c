@@ -56,21 +56,16 @@ static int fit_q4(const float *x, float d, float m, uint8_t *q) {
     return 1;
 }
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef int v8i __attribute__((vector_size(32)));
-
 /* The smallest positive difference between two values of a block (infinite where all are one value): for each
  * value, the next larger one less it: the same differences as a sort's neighbours, in 32 x 4 vector steps (an
  * insertion sort in their place tripled the whole search's time on Q4_K). */
 static float smallest_gap(const float *x) {
-    const v8f inf = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY};
     float gap = INFINITY;
     for (int i = 0; i < GROUP; i++) {
-        v8f next = inf, xi = {x[i], x[i], x[i], x[i], x[i], x[i], x[i], x[i]};
+        v8f next = splat8(INFINITY), xi = splat8(x[i]);
         for (int j = 0; j < GROUP; j += 8) {
             v8f v = *(const v8f *)(x + j);
-            v8i take = (v > xi) & (v < next);
-            next = (v8f)(((v8i)v & take) | ((v8i)next & ~take));
+            next = select8((v > xi) & (v < next), v, next);
         }
         float up = next[0];
         for (int k = 1; k < 8; k++) up = next[k] < up ? next[k] : up;

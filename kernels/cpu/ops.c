@@ -14,8 +14,6 @@
 
 #include "ops.h"
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-
 static inline v8f load8(const float *p) { return *(const v8f *)p; }
 static inline void store8(float *p, v8f v) { *(v8f *)p = v; } /* unaligned, straight from the register */
 
@@ -37,13 +35,6 @@ static inline float dot(const float *a, const float *b, int n) {
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
-
-typedef int v8i __attribute__((vector_size(32)));
-
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-/* Lanes of a where mask is set (all ones), of b elsewhere. */
-static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* e^x for eight lanes, within 2 ulp of expf over the whole range (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
  * a degree-6 polynomial for e^r, 2^n built in the exponent bits). Inputs past +-88.38 saturate to e^+-88.38; NaN

@@ -1,7 +1,17 @@
-/* The kernels of ops.c that other C files (decoder.c) call; each is documented where it is defined. */
+/* The kernels of ops.c that other C files (decoder.c) call, each documented where it is defined, and the vector
+ * types and helpers the C files share. */
 #ifndef HARPOON_OPS_H
 #define HARPOON_OPS_H
 #include <stdint.h>
+
+/* Eight floats or ints: one AVX2 register (GCC vector extensions, so any -march builds them). */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Lanes of a where mask is set (all ones), of b elsewhere. */
+static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* Formats of packed linear weights: fp32 panels (hp_pack_weight), int8 panels with per-column scales (approximate,
  * for the screened LM head), Q4, Q8 and BF16 panels (the same fp32 values in fewer bytes; kernels/cpu/blocks.py). */
