@@ -139,7 +139,8 @@ def test_bf16_panels_compute_the_bits_of_fp32_panels(m, k, n):
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
     compact, full = cpu.pack_weight_compact(w), cpu.pack_weight(w)
     assert compact.dtype == torch.bfloat16 and compact.shape == full.shape
-    assert torch.equal(compact.float(), full)
+    panels, _, width = full.shape  # two consecutive k of a column side by side, the even one first
+    assert torch.equal(compact.float().view(panels, k // 2, width, 2).transpose(2, 3).reshape(full.shape), full)
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     assert torch.equal(bits(cpu.linear(x, compact, n, bias)), bits(cpu.linear(x, full, n, bias)))
 
@@ -158,6 +159,7 @@ def test_weights_that_are_not_exactly_q4_keep_fp32_panels(monkeypatch):
     assert cpu.pack_weight_compact(to_q4_grid(torch.randn(8, 64))[:, :48].contiguous()).dtype == torch.float32
     bf16 = torch.randn(24, 64).to(torch.bfloat16).float()
     assert cpu.pack_weight_compact(bf16).dtype == torch.bfloat16
+    assert cpu.pack_weight_compact(bf16[:, :63].contiguous()).dtype == torch.float32  # BF16 panels pair the k
     bf16[3, 3] = torch.nextafter(bf16[3, 3], torch.tensor(10.0))  # one value with a low bit set
     assert cpu.pack_weight_compact(bf16).dtype == torch.float32
     q8 = to_q8_grid(torch.randn(24, 64))

@@ -153,15 +153,19 @@ def pack_weight_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] in the fewest bytes that hold it exactly, for ``linear``, which computes the same bits from
     each: Q4 or Q8 panels where its values are such blocks (``pack_weight_blocks``), BF16 panels where every
-    value's low 16 bits are zero (a bf16 checkpoint loaded as fp32), else fp32 panels (``pack_weight``).
+    value's low 16 bits are zero (a bf16 checkpoint loaded as fp32; an even K), else fp32 panels (``pack_weight``).
     NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_Q8=0`` / ``HARPOON_CPU_BF16=0`` turn each off (for A/B
     measurements)."""
     packed = pack_weight_blocks(weight)
     if packed is not None:
         return packed
     full = pack_weight(weight)
-    if os.environ.get("HARPOON_CPU_BF16", "1") != "0" and not (weight.contiguous().view(torch.int32) & 0xFFFF).any():
-        return (full.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # the high halves, bit for bit
+    if (os.environ.get("HARPOON_CPU_BF16", "1") != "0" and weight.shape[1] % 2 == 0
+            and not (weight.contiguous().view(torch.int32) & 0xFFFF).any()):
+        high = (full.view(torch.int32) >> 16).to(torch.int16)  # the bf16 values, bit for bit
+        panels, k, width = high.shape  # each two consecutive k of a column side by side, as ops.c reads them
+        pairs = high.view(panels, k // 2, 2, width).transpose(2, 3).contiguous()
+        return pairs.view(torch.bfloat16).view(panels, k, width)
     return full
 
 

@@ -141,13 +141,13 @@ enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = 
 _Static_assert(Q4_GROUP == Q8_GROUP, "micro_kernel walks the blocks of both formats in one loop");
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
-typedef unsigned short v8hu __attribute__((vector_size(16), aligned(2)));
 
-/* Eight bf16 weights as the fp32 values they are (the high half of each float). BF16 panels hold weights whose low
- * 16 bits are zero (a bf16 checkpoint loaded as fp32) in the fp32 panel layout at half the bytes. */
-static inline v8f bf16_load8(const unsigned short *p) {
-    return (v8f)(__builtin_convertvector(*(const v8hu *)p, v8i) << 16);
-}
+/* BF16 panels hold weights whose low 16 bits are zero (a bf16 checkpoint loaded as fp32) at half the bytes: the
+ * high halves, two consecutive k of one column in each 32-bit lane, the even k in the low half (as int8 panels put
+ * four). Weight kk (0..1) of each lane is then one shift or one mask from the fp32 value it is.
+ * NOTE: the fp32 panel layout with one bf16 per column (each vector of 8 widened by vpmovzxwd and a shift) read
+ * ~15 GB/s at one row, against ~23 for fp32 panels (python -m loadtest.compact_gemm --format bf16). */
+static inline v8f bf16_lane(v8i w, int kk) { return (v8f)(kk ? w & -65536 : w << 16); }
 
 /* Weight kk (0..7) of the eight k in each lane of a Q4 nibble vector, dequantized: d q + m. d q is exact (a d of at
  * most 17 significant bits times a 4-bit q), so the one rounding of the add (fused or not) gives the bits of the fp32
@@ -190,21 +190,17 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
             for (int v = 0; v < NV; v++) b[v] = load8((const float *)panel + (int64_t)k * NR + 8 * v);
             accumulate(rows, c, x, ldx, k, b);
         }
-    } else if (format == BF16_PANELS) {
-        for (int k = 0; k < kc; k++) {
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) b[v] = bf16_load8((const unsigned short *)panel + (int64_t)k * NR + 8 * v);
-            accumulate(rows, c, x, ldx, k, b);
-        }
-    } else if (format == I8_PANELS) {
-        for (int k = 0; k < kc; k += 4) {
+    } else if (format == I8_PANELS || format == BF16_PANELS) { /* 4 or 2 consecutive k in each 32-bit lane */
+        const int bf16 = format == BF16_PANELS, per_word = bf16 ? 2 : 4;
+        for (int k = 0; k < kc; k += per_word) {
+            const v8iu *words = (const v8iu *)((const char *)panel + (int64_t)k * NR * (bf16 ? 2 : 1));
             v8i w[NV];
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) w[v] = *(const v8iu *)((const signed char *)panel + ((int64_t)k * NV + 4 * v) * 8);
+            for (int v = 0; v < NV; v++) w[v] = words[v];
 #pragma GCC unroll 4
-            for (int kk = 0; kk < 4; kk++) {
+            for (int kk = 0; kk < per_word; kk++) {
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) b[v] = int8_lane(w[v], kk);
+                for (int v = 0; v < NV; v++) b[v] = bf16 ? bf16_lane(w[v], kk) : int8_lane(w[v], kk);
                 accumulate(rows, c, x, ldx, k + kk, b);
             }
         }
@@ -255,7 +251,12 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 /* A Q4, Q8 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple of 32). */
 static void unpack(const void *panel, int kc, float *out, int format) {
     if (format == BF16_PANELS) {
-        for (int64_t i = 0; i < (int64_t)kc * NR; i += 8) store8(out + i, bf16_load8((const unsigned short *)panel + i));
+        for (int k = 0; k < kc; k += 2)
+            for (int v = 0; v < NV; v++) {
+                v8i w = ((const v8iu *)panel)[k / 2 * NV + v];
+                store8(out + (int64_t)k * NR + 8 * v, bf16_lane(w, 0));
+                store8(out + (int64_t)(k + 1) * NR + 8 * v, bf16_lane(w, 1));
+            }
         return;
     }
     if (format == Q8_PANELS) {
@@ -285,7 +286,7 @@ static void unpack(const void *panel, int kc, float *out, int format) {
     }
 }
 
-/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 32 == 0 for Q4 and Q8). */
+/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 2 == 0 for BF16, k % 32 == 0 for Q4 and Q8). */
 static inline int64_t panel_bytes(int64_t k, int format) {
     if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
     if (format == BF16_PANELS) return k * NR * 2;
@@ -379,7 +380,7 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
 /* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
- *   BF16 panels (every weight's low 16 bits zero): half the bytes.
+ *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
 void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
