@@ -10,8 +10,11 @@ from DRAM too.
     python -m loadtest.kernel_ab HEAD~1 HEAD                       # a commit against its parent
     python -m loadtest.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
     python -m loadtest.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
+    python -m loadtest.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
 
-A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space.
+A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
+``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
+code, so the variants must read the same layout.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, declare, find_compiler
+from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, WEIGHT_FORMATS, declare, find_compiler, pack_weight_compact
+from loadtest.compact_gemm import GRIDS
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +90,8 @@ def gemm_round(dll: ctypes.CDLL, weights: list[tuple[torch.Tensor, int, int]], x
                rows: int) -> float:
     start = time.perf_counter()
     for w, n, k in weights:
-        dll.hp_linear(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k)
+        dll.hp_linear_packed(WEIGHT_FORMATS[w.dtype], x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n,
+                             k)
     return time.perf_counter() - start
 
 
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqs", default="1,4,16,64", help="decode sequences for the attention")
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     s, gen = Shapes(), torch.Generator().manual_seed(0)
@@ -165,16 +171,24 @@ def main(argv: list[str] | None = None) -> None:
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         packs: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
         for n, k in shapes:  # every layer its own weights: a step streams them from DRAM, as a real one does
-            w = torch.randn(n, k, generator=gen) * k**-0.5
-            for d, pk in zip(dlls, packs, strict=True):
-                pk.append((packed(d, w), n, k))
+            if args.format == "fp32":
+                w = torch.randn(n, k, generator=gen) * k**-0.5
+                for d, pk in zip(dlls, packs, strict=True):
+                    pk.append((packed(d, w), n, k))
+            else:
+                make, dtype = GRIDS[args.format]
+                compact = pack_weight_compact(make(n, k, gen))
+                assert compact.dtype == dtype, f"{args.format} weight packed as {compact.dtype}"
+                for pk in packs:
+                    pk.append((compact, n, k))
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
             y = torch.empty(rows, s.vocab)
             flop = sum(2.0 * rows * n * k for n, k in shapes)
             runs = [partial(gemm_round, d, pk, x, y, rows) for d, pk in zip(dlls, packs, strict=True)]
             times = interleave(runs, args.rounds)
-            report(f"GEMMs of one step ({s.layers} layers and the LM head), {rows} rows", args.variants, times, flop)
+            report(f"GEMMs of one step ({s.layers} layers and the LM head, {args.format} panels), {rows} rows",
+                   args.variants, times, flop)
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
                 pool = Pool.make(s, seqs, context, gen)

@@ -222,9 +222,11 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
                     "--rounds", "2"])
     out = capsys.readouterr().out
     tables = [block.splitlines() for block in out.strip().split("\n\n")]
-    assert [t[0] for t in tables] == ["GEMMs of one step (30 layers and the LM head), 3 rows",
+    assert [t[0] for t in tables] == ["GEMMs of one step (30 layers and the LM head, fp32 panels), 3 rows",
                                       "decode attention of one step (30 layers), 2 sequences x 40 positions",
                                       "decode attention of one step (30 layers), 5 sequences x 40 positions"]
     for t in tables:
         assert [row.split("|")[1].strip() for row in t[3:]] == ["WORKTREE", "WORKTREE -DKC=256"]
         assert t[3].split("|")[4].strip() == "1.000"
+    kernel_ab_main(["WORKTREE", "--format", "q4", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1"])
+    assert "GEMMs of one step (30 layers and the LM head, q4 panels), 1 rows" in capsys.readouterr().out
