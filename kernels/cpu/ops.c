@@ -8,6 +8,7 @@
  * -march=native on any x86-64 or ARM host. Every pointer is fp32 and contiguous unless a stride says otherwise.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -354,6 +355,17 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
 /* Rows per block: a block's k slices stay in L2 while the panels pass over them. */
 #define ROW_BLOCK ((int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR)
 
+/* Consecutive panels per task of a product's parallel loop. Up to MR rows a product streams its weights, and each
+ * thread takes runs of consecutive panels (two runs per thread), so its reads form long spans that the hardware
+ * prefetcher follows. Why: with one panel per task the threads took alternate panels (10 KB apart for the Q4
+ * projections of SmolLM2-135M) and each thread's reads jumped at every panel; a 1-row decode step was 13-15%
+ * slower (docs/benchmarks.md). More rows are compute-bound, the same either way, and take one panel per task,
+ * which balances best when another process takes a core. */
+static inline int panels_per_task(int M, int N) {
+    const int panels = (N + NR - 1) / NR, tasks = 2 * omp_get_max_threads();
+    return M > MR ? 1 : (panels + tasks - 1) / tasks;
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
  * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
  * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights
@@ -366,9 +378,10 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
  * NOTE: each weight format has its own parallel loop (LINEAR_LOOP, written once per format), so OpenMP outlines one
  * body per format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 #define LINEAR_LOOP(bias, scales, format)                                                                             \
+    const int chunk = panels_per_task(M, N);                                                                          \
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
-        _Pragma("omp parallel for schedule(dynamic, 1)") for (int p = 0; p < (N + NR - 1) / NR; p++)                  \
+        _Pragma("omp parallel for schedule(dynamic, chunk)") for (int p = 0; p < (N + NR - 1) / NR; p++)              \
             panel_product(p, m0, m1, x, ldx, packed, bias, scales, y, ldy, N, K, format);                             \
     }
 
