@@ -249,7 +249,8 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-/* A Q4, Q8 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple of 32). */
+/* A Q4, Q8 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple of 32; of 2 for
+ * BF16). */
 static void unpack(const void *panel, int kc, float *out, int format) {
     if (format == BF16_PANELS) {
         for (int k = 0; k < kc; k += 2)
