@@ -16,8 +16,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     keep = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep].long()] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep].long()] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep].long()] = v[keep].to(v_cache.dtype)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first_pos: int) -> torch.Tensor:

@@ -11,10 +11,12 @@ from DRAM too.
     python -m loadtest.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
     python -m loadtest.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
     python -m loadtest.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
+    python -m loadtest.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
-code, so the variants must read the same layout.
+code, so the variants must read the same layout. ``--kv-dtype`` lists the K/V pool types to time the attention with
+(each variant with each; revisions before bfloat16 pools read any pool as fp32).
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import _FLAGS, _HEADERS, _SOURCES, WEIGHT_FORMATS, declare, find_compiler, pack_weight_compact
+from kernels.cpu import (
+    _FLAGS,
+    _HEADERS,
+    _SOURCES,
+    KV_FORMATS,
+    WEIGHT_FORMATS,
+    declare,
+    find_compiler,
+    pack_weight_compact,
+)
 from loadtest.compact_gemm import GRIDS
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -108,12 +119,12 @@ class Pool:
     stream: torch.Tensor  # a layer's weights, read between two layers' calls
 
     @classmethod
-    def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator) -> Pool:
+    def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator, kv_dtype: torch.dtype) -> Pool:
         per_seq = -(-context // s.block_size)
         blocks = seqs * per_seq
         shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
-        k = [torch.randn(shape, generator=gen) for _ in range(s.layers)]
-        v = [torch.randn(shape, generator=gen) for _ in range(s.layers)]
+        k = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(s.layers)]
+        v = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(s.layers)]
         tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(seqs, per_seq)
         q = torch.randn(seqs, s.heads * s.head_dim, generator=gen)
         layer_floats = sum(n * k for n, k in s.linears())
@@ -129,7 +140,7 @@ class Pool:
             dll.hp_paged_decode_attention(
                 self.q.data_ptr(), width, self.k[layer].data_ptr(), self.v[layer].data_ptr(), self.tables.data_ptr(),
                 self.tables.shape[1], self.seq_lens.data_ptr(), self.out.data_ptr(), width, seqs, s.heads,
-                s.kv_heads, s.head_dim, s.block_size, s.head_dim**-0.5)
+                s.kv_heads, s.head_dim, s.block_size, s.head_dim**-0.5, KV_FORMATS[self.k[layer].dtype])
             spent += time.perf_counter() - start
         return spent
 
@@ -163,7 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
+    p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16")
     args = p.parse_args(argv)
+    unknown = set(args.kv_dtype.split(",")) - {str(dtype).removeprefix("torch.") for dtype in KV_FORMATS}
+    if unknown:
+        p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: float32, bfloat16")
     torch.set_num_threads(2)
     s, gen = Shapes(), torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,13 +204,18 @@ def main(argv: list[str] | None = None) -> None:
             times = interleave(runs, args.rounds)
             report(f"GEMMs of one step ({s.layers} layers and the LM head, {args.format} panels), {rows} rows",
                    args.variants, times, flop)
+        known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
+        kv_dtypes = [known[name] for name in args.kv_dtype.split(",")]
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
-                pool = Pool.make(s, seqs, context, gen)
-                times = interleave([partial(pool.attention_round, d, s) for d in dlls], args.rounds)
+                pools = [Pool.make(s, seqs, context, gen, dtype) for dtype in kv_dtypes]
+                runs = [partial(pool.attention_round, d, s) for pool in pools for d in dlls]
+                names = [f"{v} ({str(pool.k[0].dtype).removeprefix('torch.')} pool)" if len(pools) > 1 else v
+                         for pool in pools for v in args.variants]
+                times = interleave(runs, args.rounds)
                 report(f"decode attention of one step ({s.layers} layers), {seqs} sequences x {context} positions",
-                       args.variants, times)
-                del pool
+                       names, times)
+                del pools
 
 
 if __name__ == "__main__":

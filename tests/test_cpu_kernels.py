@@ -39,8 +39,10 @@ def test_linear_matches_float64(m, k, n):
 @pytest.mark.parametrize(  # fewer than 8 sequences split their contexts in 64-position chunks, 8 or more in 256
     "seq_lens", [[1, 5, 16, 17, 100, 333, 1000], [1, 5, 16, 17, 64, 65, 255, 256, 257, 513, 1000]]
 )
-def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, seq_lens):
-    k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, seed=heads)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, seq_lens, kv_dtype):
+    """A bfloat16 pool is read as the same values widened to fp32, so the reference is exact for either pool."""
+    k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, block_size, kv_dtype, seed=heads)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
@@ -117,6 +119,25 @@ def test_rotary_silu_and_store():
     slots = torch.tensor([15, 0, 5, 6, 7, 9])
     cpu.store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(16, 1, 64)[slots], k) and torch.equal(v_cache.view(16, 1, 64)[slots], v)
+
+
+def test_store_kv_rounds_into_bfloat16_as_torch_does():
+    """Ties to even, the largest finite values rounding to infinity, infinities, NaN and subnormals: the bits of
+    torch's own conversion, which the torch attention path stores (a NaN stays a NaN; torch's payloads vary)."""
+    special = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8), 3.3895e38, -3.4e38,
+                            float("inf"), float("-inf"), float("nan"), 1e-40, -1e-45, 0.0, -0.0, 2**-126])
+    k = torch.cat([special, torch.randn(64 * 4 - len(special), generator=torch.Generator().manual_seed(2))]) * 1.0
+    k = k.view(4, 1, 64)
+    v = -k.flip(0)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([7, 0, 3, 4])
+    cpu.store_kv(k, v, k_cache, v_cache, slots)
+    for pool, src in ((k_cache, k), (v_cache, v)):
+        stored, expected = pool.view(8, 1, 64)[slots], src.to(torch.bfloat16)
+        assert torch.equal(stored.isnan(), expected.isnan()) and stored.isnan().sum() == 1
+        assert torch.equal(stored.nan_to_num(0).view(torch.int16), expected.nan_to_num(0).view(torch.int16))
+    with pytest.raises(ValueError, match="v_cache: expected a contiguous CPU pool"):
+        cpu.store_kv(k, v, k_cache, v_cache.float(), slots)
 
 
 def test_wrong_dtype_is_refused():

@@ -110,17 +110,22 @@ def test_prefill_with_one_token_chunks_equals_decode():
     torch.testing.assert_close(prefill, decode, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_store_kv_writes_slots_and_skips_padding(dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [  # the last: kv_cache_dtype="bfloat16" under an fp32 model
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+])
+def test_store_kv_writes_slots_and_skips_padding(dtype, cache_dtype):
     num_blocks, block_size, kv_heads, head_dim = 6, 16, 2, 64
     k = torch.randn(5, kv_heads, head_dim).to(dtype).to(DEVICE)
     v = torch.randn(5, kv_heads, head_dim).to(dtype).to(DEVICE)
+    k[0, 0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # ties, rounded to even by torch's cast
     slots = torch.tensor([3, 17, -1, 95, 40], dtype=torch.int64, device=DEVICE)
-    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
+              for _ in range(4)]
     store_kv(k, v, caches[0], caches[1], slots)
     ref_store_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].view(-1, kv_heads, head_dim)[95].equal(k[3])
+    assert caches[0].view(-1, kv_heads, head_dim)[95].equal(k[3].to(cache_dtype))
     assert caches[0].abs().sum(dim=(2, 3)).count_nonzero() == 4  # the -1 lane wrote nothing
 
 

@@ -228,5 +228,10 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     for t in tables:
         assert [row.split("|")[1].strip() for row in t[3:]] == ["WORKTREE", "WORKTREE -DKC=256"]
         assert t[3].split("|")[4].strip() == "1.000"
-    kernel_ab_main(["WORKTREE", "--format", "q4", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1"])
-    assert "GEMMs of one step (30 layers and the LM head, q4 panels), 1 rows" in capsys.readouterr().out
+    kernel_ab_main(["WORKTREE", "--format", "q4", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1",
+                    "--kv-dtype", "float32,bfloat16"])
+    out = capsys.readouterr().out
+    assert "GEMMs of one step (30 layers and the LM head, q4 panels), 1 rows" in out
+    attention = out.strip().split("\n\n")[-1].splitlines()
+    assert [row.split("|")[1].strip() for row in attention[3:]] == ["WORKTREE (float32 pool)",
+                                                                   "WORKTREE (bfloat16 pool)"]

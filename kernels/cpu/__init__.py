@@ -70,12 +70,12 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
     "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
-                                  _c_int, _c_int, _c_int, _c_float],
+                                  _c_int, _c_int, _c_int, _c_float, _c_int],
     "hp_rms_norm": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_float],
     "hp_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_float],
     "hp_rotary": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
-    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int],
+    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
 }
@@ -137,6 +137,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 # enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4}
+# enum hp_kv_format (ops.h) of each K/V pool dtype
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The C kernels' code for a pair of K/V pools, which must be contiguous CPU tensors of one supported dtype."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in KV_FORMATS or t.dtype != k_cache.dtype or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CPU pool of float32 or bfloat16 like k_cache, got "
+                             f"{t.dtype} on {t.device}")
+    return KV_FORMATS[k_cache.dtype]
 
 
 def pack_weight_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -285,13 +296,13 @@ def paged_decode_attention(
 ) -> None:
     _check_tokens(q, "q")
     _check_tokens(out, "out")
-    _check(k_cache, torch.float32, "k_cache")
+    fmt = kv_format(k_cache, v_cache)
     _check(block_tables, torch.int32, "block_tables")
     _check(seq_lens, torch.int32, "seq_lens")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and seq_lens.is_contiguous()):
-        raise ValueError("caches and seq_lens must be contiguous")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
     if head_dim % 8:
@@ -312,6 +323,7 @@ def paged_decode_attention(
         head_dim,
         block_size,
         scale,
+        fmt,
     )
 
 
@@ -369,6 +381,7 @@ def store_kv(
     _check_tokens(v, "v")
     t, heads, head_dim = k.shape
     _check(slot_mapping, torch.int64, "slot_mapping")
+    fmt = kv_format(k_cache, v_cache)
     _library().hp_store_kv(
         k.data_ptr(),
         k.stride(0),
@@ -379,4 +392,5 @@ def store_kv(
         slot_mapping.data_ptr(),
         t,
         heads * head_dim,
+        fmt,
     )

@@ -19,12 +19,13 @@ struct hp_layer {
     const float *post_norm;
     const void *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias, *q_norm, *k_norm;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int qkv_format, o_format, gate_up_format, down_format;
 };
 
 struct hp_decoder {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int kv_format; /* the pools' element type, enum hp_kv_format */
     float eps, scale;
     const float *cos_cache, *sin_cache, *final_norm; /* rotary tables [max_position, head_dim] */
     const struct hp_layer *layers;
@@ -62,9 +63,9 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
             }
         hp_rotary(qkv, qkv_size, positions, m->cos_cache, m->sin_cache, T, m->num_heads + m->num_kv_heads, D);
         hp_store_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, L->k_cache, L->v_cache, slots, T,
-                    kv_size);
+                    kv_size, m->kv_format);
         hp_paged_decode_attention(qkv, qkv_size, L->k_cache, L->v_cache, tables, table_stride, seq_lens, attn, q_size,
-                                  T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale);
+                                  T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale, m->kv_format);
         hp_linear_packed(L->o_format, attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);
         hp_add_rms_norm(out, residual, L->post_norm, h, T, H, m->eps);
         hp_linear_packed(L->gate_up_format, h, H, L->gate_up, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H);

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels.cpu import WEIGHT_FORMATS, _c_float, _c_i64, _c_int, _check, _library, _ptr, packed_geometry
+from kernels.cpu import WEIGHT_FORMATS, _c_float, _c_i64, _c_int, _check, _library, _ptr, kv_format, packed_geometry
 
 
 @dataclass
@@ -58,7 +58,7 @@ class _LayerStruct(ctypes.Structure):  # struct hp_layer
 class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
     _fields_ = [
         *((name, _c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                      "intermediate", "block_size")),
+                                      "intermediate", "block_size", "kv_format")),
         ("eps", _c_float),
         ("scale", _c_float),
         ("cos_cache", _ptr),
@@ -141,14 +141,15 @@ class Decoder:
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self._layers)} layers")
         s = self.shape
-        block_size = kv_caches[0][0].shape[1]
+        block_size, fmt = kv_caches[0][0].shape[1], kv_format(*kv_caches[0])
         for i, (k, v) in enumerate(kv_caches):
+            if kv_format(k, v) != fmt:
+                raise ValueError(f"kv_caches[{i}]: {k.dtype}, where layer 0's pools are {kv_caches[0][0].dtype}")
             for name, t in (("k", k), ("v", v)):
-                _contiguous(t, f"kv_caches[{i}].{name}")
                 if t.dim() != 4 or t.shape[1:] != (block_size, s.num_kv_heads, s.head_dim):
                     raise ValueError(f"kv_caches[{i}].{name}: shape {tuple(t.shape)} does not match the model")
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
-        self._struct.block_size = block_size
+        self._struct.block_size, self._struct.kv_format = block_size, fmt
         self._kv_caches = kv_caches
 
     def __call__(

@@ -5,7 +5,8 @@
  * kernels read the paged pool in place and stream the weights of a skinny matmul exactly once.
  *
  * Plain C with GCC vector extensions (8 floats, one AVX2 register) and OpenMP; no intrinsics, so it builds with
- * -march=native on any x86-64 or ARM host. Every pointer is fp32 and contiguous unless a stride says otherwise.
+ * -march=native on any x86-64 or ARM host. Every pointer is fp32 and contiguous unless a stride or a format argument
+ * says otherwise.
  */
 #include <math.h>
 #include <omp.h>
@@ -523,28 +524,36 @@ static inline v8f sum_lanes8(const v8f a[8]) {
     return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
 }
 
-/* The cache block holding positions p0..end of a chunk, whose lines it first loads into this core's caches,
- * prefetching the chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams
- * through the caches between two layers), and from DRAM the attention read it at ~10 GB/s where the same block
- * order streams at ~25: its few loads in flight per 8 positions left the memory idle while it computed. A plain
- * load of every line first puts them all in flight at once. With the next block prefetched under this block's
- * arithmetic, decode attention took 22-26% less time at 1-64 sequences of 192-1024 positions (python -m
- * loadtest.kernel_ab); touching whole chunks, or 2-8 blocks at a time, was no better. Where the blocks are already
- * in L2 this costs ~40% (45 -> 65 ns a position). */
-static inline const float *stage_block(const float *cache, const int32_t *table, int p0, int end, int len,
-                                       int block_size, int64_t row) {
+/* The cache block holding positions p0..end of a chunk as fp32 rows, its lines loaded into this core's caches:
+ * the pool's own block, or for a bfloat16 pool the block widened into `staged`. Either way it then prefetches the
+ * chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams through the caches
+ * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25:
+ * its few loads in flight per 8 positions left the memory idle while it computed. A plain load of every line first
+ * puts them all in flight at once. With the next block prefetched under this block's arithmetic, decode attention
+ * took 22-26% less time at 1-64 sequences of 192-1024 positions (python -m loadtest.kernel_ab); touching whole
+ * chunks, or 2-8 blocks at a time, was no better. Where the blocks are already in L2 this costs ~40% (45 -> 65 ns a
+ * position). A bfloat16 pool halves the bytes read, and the attention then took 8-20% less time than from an fp32
+ * one; widening each value once here, rather than at each query head of its group, took 15-25% less than that. */
+static inline const float *stage_block(const void *cache, const int32_t *table, int p0, int end, int len,
+                                       int block_size, int64_t row, int kv_format, float *staged) {
+    const int64_t bytes = block_size * row * (kv_format == HP_KV_BF16 ? 2 : 4), used = (end - p0) * row;
+    const char *block = (const char *)cache + table[p0 / block_size] * bytes;
+    const char *next = end < len ? (const char *)cache + table[p0 / block_size + 1] * bytes : NULL;
+    if (kv_format == HP_KV_BF16) {
+        typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+        typedef uint32_t v8u __attribute__((vector_size(32)));
+        for (int64_t i = 0; next && i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+        for (int64_t i = 0; i < used; i += 8) /* row is a multiple of 8 */
+            store8(staged + i, (v8f)(__builtin_convertvector(*(const v8h *)(block + 2 * i), v8u) << 16));
+        return staged;
+    }
     typedef uint32_t word __attribute__((may_alias));
-    const int64_t block_floats = block_size * row;
-    const float *block = cache + table[p0 / block_size] * block_floats;
     word sink = 0; /* integer loads, one per 64-byte line: no floating-point assist, whatever the pool holds */
-    for (int64_t i = 0; i < (end - p0) * row; i += 16) sink |= ((const word *)block)[i];
+    for (int64_t i = 0; i < used * 4; i += 64) sink |= *(const word *)(block + i);
     volatile word keep = sink; /* the loads stay */
     (void)keep;
-    if (end < len) {
-        const float *next = cache + table[p0 / block_size + 1] * block_floats;
-        for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(next + i, 0, 3);
-    }
-    return block;
+    for (int64_t i = 0; next && i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+    return (const float *)block;
 }
 
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
@@ -554,13 +563,13 @@ static inline const float *stage_block(const float *cache, const int32_t *table,
  * (a task per KV head) ran at a third of the memory bandwidth on the development machines (~10 GB/s of used bytes
  * vs ~30), as the lines in between were fetched anyway. Inlined with a constant head_dim (64, 128). */
 static inline __attribute__((always_inline)) void attend_chunk_d(
-    const int D, int num_kv_heads, int group, const float *q, const float *k_cache, const float *v_cache,
+    const int D, int num_kv_heads, int group, const float *q, const void *k_cache, const void *v_cache,
     int64_t row, const int32_t *table, int block_size, int len, float scale, float *scores, int split,
-    float *mine) {
+    float *mine, int kv_format, float *staged) {
     const int num_heads = num_kv_heads * group;
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const float *kb = stage_block(k_cache, table, p0, end, len, block_size, row);
+        const float *kb = stage_block(k_cache, table, p0, end, len, block_size, row, kv_format, staged);
         for (int h = 0; h < num_kv_heads; h++) {
             const float *k = kb + h * D, *qh = q + h * group * D;
             float *sh = scores + (int64_t)h * group * split;
@@ -588,7 +597,7 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     }
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const float *vb = stage_block(v_cache, table, p0, end, len, block_size, row);
+        const float *vb = stage_block(v_cache, table, p0, end, len, block_size, row, kv_format, staged);
         for (int hg = 0; hg < num_heads; hg++) {
             const float *sg = scores + (int64_t)hg * split, *v = vb + (hg / group) * D;
             float *o = mine + hg * (D + 2) + 2;
@@ -603,11 +612,12 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     }
 }
 
-static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const float *k_cache,
-                         const float *v_cache, int64_t row, const int32_t *table, int block_size, int len,
-                         float scale, float *scores, int split, float *mine) {
-#define ATTEND(D) \
-    attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, row, table, block_size, len, scale, scores, split, mine)
+static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
+                         const void *v_cache, int64_t row, const int32_t *table, int block_size, int len,
+                         float scale, float *scores, int split, float *mine, int kv_format, float *staged) {
+#define ATTEND(D)                                                                                                  \
+    attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, row, table, block_size, len, scale, scores, split, \
+                   mine, kv_format, staged)
     if (head_dim == 64)
         ATTEND(64);
     else if (head_dim == 128)
@@ -619,17 +629,17 @@ static void attend_chunk(int head_dim, int num_kv_heads, int group, const float 
 
 /* Attention of one query token per sequence over its paged context, for a whole batch of decodes.
  *   q:      [num_seqs, num_heads, head_dim] (token stride q_stride)
- *   cache:  [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
+ *   cache:  [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, of the type kv_format names
  *   tables: [num_seqs, table_stride] int32 block ids; seq_lens: [num_seqs] int32 context lengths
  *   out:    [num_seqs, num_heads, head_dim] (token stride out_stride)
  * A task is one (sequence, chunk of up to `split` positions) with all its heads. Long contexts split into chunks
  * keep both cores busy even for one sequence; each chunk keeps its max and sum per head, and a second pass merges
  * the chunks (split-KV, as the Triton kernel does). Within a chunk the softmax is exact: scores kept, max
  * subtracted. Small batches get short chunks, so even a single sequence makes enough tasks for every thread. */
-void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                                int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                               int block_size, float scale) {
+                               int block_size, float scale, int kv_format) {
     int group = num_heads / num_kv_heads;
     int split = num_seqs >= 8 ? 256 : 64;
     split = (split + block_size - 1) / block_size * block_size; /* chunks start on block boundaries */
@@ -645,6 +655,7 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * (size_t)num_heads * split);
+        float *staged = kv_format == HP_KV_BF16 ? malloc(sizeof(float) * (size_t)block_size * row) : NULL;
         int s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int c = 0; c < num_chunks; c++) {
@@ -653,9 +664,10 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
             int first = (c - chunk0[s]) * split, len = seq_lens[s] - first < split ? seq_lens[s] - first : split;
             attend_chunk(head_dim, num_kv_heads, group, q + (int64_t)s * q_stride, k_cache, v_cache, row,
                          tables + (int64_t)s * table_stride + first / block_size, block_size, len, scale, scores,
-                         split, partial + (int64_t)c * part);
+                         split, partial + (int64_t)c * part, kv_format, staged);
         }
         free(scores);
+        free(staged);
         /* merge: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c */
 #pragma omp for schedule(static)
         for (int t = 0; t < num_seqs * num_heads; t++) {
@@ -746,11 +758,29 @@ void hp_silu_mul(const float *gate_up, float *out, int M, int I) {
     }
 }
 
-/* Copies each token's K and V rows ([num_kv_heads * head_dim], row strides ldk and ldv) into its cache slot. */
-void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, float *k_cache, float *v_cache,
-                 const int64_t *slots, int T, int row) {
+/* fp32 -> bfloat16, rounded to nearest even, NaN kept a (quiet) NaN: the bits torch's conversion gives. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static void store_row(const float *src, void *cache, int64_t slot, int row, int kv_format) {
+    if (kv_format != HP_KV_BF16) {
+        memcpy((float *)cache + slot * row, src, sizeof(float) * row);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + slot * row;
+    for (int i = 0; i < row; i++) dst[i] = to_bf16(src[i]);
+}
+
+/* Copies each token's K and V rows ([num_kv_heads * head_dim], row strides ldk and ldv) into its cache slot, in the
+ * pools' element type (enum hp_kv_format). */
+void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, void *k_cache, void *v_cache,
+                 const int64_t *slots, int T, int row, int kv_format) {
     for (int t = 0; t < T; t++) {
-        memcpy(k_cache + slots[t] * row, k + t * ldk, sizeof(float) * row);
-        memcpy(v_cache + slots[t] * row, v + t * ldv, sizeof(float) * row);
+        store_row(k + t * ldk, k_cache, slots[t], row, kv_format);
+        store_row(v + t * ldv, v_cache, slots[t], row, kv_format);
     }
 }
