@@ -126,8 +126,8 @@ class TorchAttention:
         num_blocks = -(-max_len // block_size)
         table = block_tables[:, :num_blocks].long()
         # [nd, num_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2)
-        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, L]
         out = F.scaled_dot_product_attention(
@@ -153,13 +153,14 @@ class TorchAttention:
         num_query = q.shape[0]
         num_cached = seq_len - num_query
         if num_cached == 0:
-            # Nothing cached before this chunk: attend the fresh K/V directly, as transformers does.
-            keys, values, mask = k, v, None
+            # Nothing cached before this chunk: attend the fresh K/V directly, as transformers does, as the pool holds
+            # them (rounded to a narrower pool's type), so a prompt sees what a later chunk or decode of it will.
+            keys, values, mask = as_stored(k, k_cache), as_stored(v, v_cache), None
         else:
             block_size = k_cache.shape[1]
             table = block_table[: -(-seq_len // block_size)].long()
-            keys = k_cache[table].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
-            values = v_cache[table].flatten(0, 1)[:seq_len]
+            keys = k_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
+            values = v_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)
             # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(num_cached, seq_len, device=q.device)
@@ -176,6 +177,11 @@ class TorchAttention:
         return out[0].transpose(0, 1)
 
 
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` as a pool of ``cache``'s dtype holds it, back in ``x``'s dtype."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 def store_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -183,8 +189,8 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class CpuAttention(TorchAttention):

@@ -71,6 +71,7 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = self._max_model_len()
         self.dtype = config.resolve_dtype(self.device)
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
 
         self.attention_backend = config.resolve_attention_backend(self.device, self.dtype)
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -201,7 +202,7 @@ class EngineCore:
     def _allocate_kv_cache(self) -> KVCache:
         cfg = self.hf_config
         spec = KVCacheSpec(
-            cfg.num_hidden_layers, num_kv_heads_of(cfg), head_dim_of(cfg), self.config.block_size, self.dtype
+            cfg.num_hidden_layers, num_kv_heads_of(cfg), head_dim_of(cfg), self.config.block_size, self.kv_cache_dtype
         )
         budget = resolve_budget(
             self.config.kv_cache_memory, self.device, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_KV_CACHE_FRACTION

@@ -61,8 +61,19 @@ def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
     return ids
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None) -> list[int]:
+    """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do. With
+    ``kv_dtype``, every K/V value is rounded to it as it enters the cache, and attention reads the rounded values
+    (the prompt's own too), as a pool of that dtype holds them."""
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            def rounded(x):
+                return x.to(kv_dtype).to(x.dtype)
+
+            return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids], device=model.device)
         out = model.generate(
@@ -71,6 +82,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id,
+            past_key_values=RoundingCache(config=model.config) if kv_dtype is not None else None,
         )
     return out[0, len(prompt_ids) :].tolist()
 

@@ -33,6 +33,33 @@ def test_tiny_model_greedy_matches_transformers(kind, backend, tiny_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("kind, backend", [
+    ("llama-gqa-tied", "cpu"), ("qwen3-qknorm", "cpu"), ("qwen2-bias", "torch"), ("qwen3-qknorm", "triton"),
+])
+def test_bfloat16_kv_cache_matches_transformers_with_rounded_kv(kind, backend, tiny_model):
+    """With ``kv_cache_dtype="bfloat16"`` the pool holds K/V in half the bytes (twice the blocks in the same budget)
+    and every attention reads them as stored: greedy tokens equal transformers' with each K/V value rounded to
+    bfloat16 on its way into the cache, with chunked prefill, multi-block tables and the C decoder's mixed steps."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(kind)
+    rng = random.Random(5)
+    max_new = 8 if backend == "triton" else 24  # the interpreter is slow
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 17, 40)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, max_new, kv_dtype=torch.bfloat16) for p in prompts]
+    engines = {dtype: LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
+                          attention_backend=backend, kv_cache_dtype=dtype) for dtype in ("auto", "bfloat16")}
+    llm = engines["bfloat16"]
+    assert llm.engine.kv_cache.layers[0][0].dtype == torch.bfloat16
+    assert llm.engine.kv_cache.num_blocks == 2 * engines["auto"].engine.kv_cache.num_blocks
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.parametrize("kind, backend, max_new", [
     ("llama-gqa-tied", "cpu", 30), ("qwen3-qknorm", "cpu", 30), ("llama-gqa-tied", "torch", 30),
     ("qwen3-qknorm", "torch", 30), ("qwen3-qknorm", "triton", 10),  # fewer tokens: the interpreter is slow
