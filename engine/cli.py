@@ -58,8 +58,8 @@ _HELP = {
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",
     "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
-    "kv_cache_dtype": "auto (the model's dtype: exact), bfloat16 (twice the cached tokens per byte and faster long "
-    "decodes, but greedy tokens may differ from the exact pool's)",
+    "kv_cache_dtype": "auto (the model's dtype: exact), bfloat16 (twice the cached tokens in the same memory, but "
+    "greedy tokens may differ from the exact pool's)",
     "device": "auto, cpu, cuda, cuda:1, ...",
     "attention_backend": "auto (triton on CUDA, cpu for fp32 on a CPU with a C compiler, else torch), cpu, torch, "
     "triton",
