@@ -524,8 +524,13 @@ static inline v8f sum_lanes8(const v8f a[8]) {
     return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
 }
 
+/* Every 64-byte line of bytes at p (none if p is NULL) on its way to L1. */
+static inline void prefetch_lines(const char *p, int64_t bytes) {
+    for (int64_t i = 0; p && i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* The cache block holding positions p0..end of a chunk as fp32 rows, its lines loaded into this core's caches:
- * the pool's own block, or for a bfloat16 pool the block widened into `staged`. Either way it then prefetches the
+ * the pool's own block, or for a bfloat16 pool the block widened into `staged`. Either way it also prefetches the
  * chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams through the caches
  * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25:
  * its few loads in flight per 8 positions left the memory idle while it computed. A plain load of every line first
@@ -542,7 +547,7 @@ static inline const float *stage_block(const void *cache, const int32_t *table, 
     if (kv_format == HP_KV_BF16) {
         typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
         typedef uint32_t v8u __attribute__((vector_size(32)));
-        for (int64_t i = 0; next && i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+        prefetch_lines(next, bytes);
         for (int64_t i = 0; i < used; i += 8) /* row is a multiple of 8 */
             store8(staged + i, (v8f)(__builtin_convertvector(*(const v8h *)(block + 2 * i), v8u) << 16));
         return staged;
@@ -552,7 +557,7 @@ static inline const float *stage_block(const void *cache, const int32_t *table, 
     for (int64_t i = 0; i < used * 4; i += 64) sink |= *(const word *)(block + i);
     volatile word keep = sink; /* the loads stay */
     (void)keep;
-    for (int64_t i = 0; next && i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+    prefetch_lines(next, bytes);
     return (const float *)block;
 }
 
