@@ -176,9 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
     p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16")
     args = p.parse_args(argv)
-    unknown = set(args.kv_dtype.split(",")) - {str(dtype).removeprefix("torch.") for dtype in KV_FORMATS}
+    known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
+    kv_names = args.kv_dtype.split(",")
+    unknown = set(kv_names) - set(known)
     if unknown:
-        p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: float32, bfloat16")
+        p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     torch.set_num_threads(2)
     s, gen = Shapes(), torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,14 +206,11 @@ def main(argv: list[str] | None = None) -> None:
             times = interleave(runs, args.rounds)
             report(f"GEMMs of one step ({s.layers} layers and the LM head, {args.format} panels), {rows} rows",
                    args.variants, times, flop)
-        known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
-        kv_dtypes = [known[name] for name in args.kv_dtype.split(",")]
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
-                pools = [Pool.make(s, seqs, context, gen, dtype) for dtype in kv_dtypes]
+                pools = [Pool.make(s, seqs, context, gen, known[name]) for name in kv_names]
                 runs = [partial(pool.attention_round, d, s) for pool in pools for d in dlls]
-                names = [f"{v} ({str(pool.k[0].dtype).removeprefix('torch.')} pool)" if len(pools) > 1 else v
-                         for pool in pools for v in args.variants]
+                names = [f"{v} ({name} pool)" if len(kv_names) > 1 else v for name in kv_names for v in args.variants]
                 times = interleave(runs, args.rounds)
                 report(f"decode attention of one step ({s.layers} layers), {seqs} sequences x {context} positions",
                        names, times)
