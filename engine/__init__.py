@@ -14,6 +14,6 @@ if "torch" not in sys.modules:
 
 from engine.llm import LLM  # noqa: E402
 from engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

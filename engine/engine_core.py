@@ -32,6 +32,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer
+from engine.structured_output import GrammarCompiler
 from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.max_model_len = self._max_model_len()
         self.dtype = config.resolve_dtype(self.device)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
@@ -215,6 +217,8 @@ class EngineCore:
         self.limits.validate(prompt_token_ids, params)
         max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.grammar(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

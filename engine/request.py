@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +59,8 @@ class Request:
     num_cached_tokens: int = 0
     # Speculative decoding: tokens guessed to follow all_token_ids, verified by the next step (engine/spec_decode.py)
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: where the output stands in its grammar, fed every output token as it is appended
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -91,6 +94,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Hash every full block not hashed yet; block i's hash covers its tokens and block i-1's hash, so equal

@@ -1,9 +1,10 @@
 """Turns the batch's logits into next tokens, vectorised over the batch (no per-request Python on the hot path
 except the rows that carry their own seed).
 
-Pipeline, per row:  logit_bias -> min_tokens ban -> repetition/presence/frequency penalties   = processed logits
+Pipeline, per row:  grammar mask -> logit_bias -> min_tokens ban -> repetition/presence/frequency penalties
+                        = processed logits
                     greedy rows: argmax(processed)
-                    random rows: / temperature -> min_p -> top_k/top_p -> softmax -> exponential race
+                    random rows: / temperature -> min_p -> top_k/top_p -> softmax -> inverse-CDF draw
 Logprobs are those of the processed logits (divided by the temperature on random rows), before the min_p,
 top_k and top_p truncation: the top-N alternatives plus the sampled token's own, with its rank.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_metadata import SamplingMetadata
+from engine.structured_output import apply_bitmask
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.allowed_tokens is not None:  # first: -inf stays -inf through bias and penalties
+            apply_bitmask(logits, *meta.allowed_tokens)
         if meta.logit_bias is not None:
             rows, ids, values = meta.logit_bias
             logits.index_put_((rows, ids), values, accumulate=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.structured_output import new_bitmask
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None  # [B, max_output_len] int64, padded with vocab_size
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf (min_tokens)
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, bitmask [rows, words]) of rows with a grammar
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch, None if nobody asked
     # Every row takes the argmax of its raw logits (SamplingParams.plain_argmax, and no token banned for min_tokens).
     plain_greedy: bool
@@ -57,6 +59,11 @@ class SamplingMetadata:
                 ban_rows += [row] * len(banned)
                 ban_ids += sorted(banned)
 
+        grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        bitmask = new_bitmask(len(grammar_rows), vocab_size) if grammar_rows else None
+        for i, row in enumerate(grammar_rows):
+            requests[row].grammar.fill_bitmask(bitmask, i)
+
         def padded(rows: list[list[int]]) -> torch.Tensor:
             width = max(1, max(len(r) for r in rows))
             return column([r + [vocab_size] * (width - len(r)) for r in rows], torch.int64)
@@ -78,6 +85,7 @@ class SamplingMetadata:
             output_token_ids=padded([r.output_token_ids for r in requests]) if use_penalties else None,
             logit_bias=(column(bias_rows, long), column(bias_ids, long), column(bias_values)) if bias_rows else None,
             banned=(column(ban_rows, long), column(ban_ids, long)) if ban_rows else None,
+            allowed_tokens=(column(grammar_rows, long), bitmask.to(device)) if grammar_rows else None,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             plain_greedy=all(p.plain_argmax for p in params) and not ban_rows,
         )

@@ -3,9 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match: exactly one of the fields (vLLM's ``structured_outputs`` names)."""
+
+    json: str | None = None  # a JSON schema, as JSON text (a dict is dumped, its key order kept)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # one of these strings, exactly
+    grammar: str | None = None  # EBNF, in xgrammar's dialect (GBNF: root ::= ...)
+    # JSON without whitespace between its tokens (JSON's own allows any; a small model may then emit it endlessly)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -16,6 +51,7 @@ class SamplingParams:
     ``top_p == 1`` and ``min_p == 0`` disable those filters. ``logprobs`` is the number of top alternatives
     returned per sampled token (the sampled token's own is always included); ``prompt_logprobs`` the same for
     each prompt token. Stop strings are matched on the detokenized text, outside the engine core.
+    ``structured_outputs`` keeps every output token inside a grammar (engine/structured_output.py).
     """
 
     n: int = 1
@@ -36,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string from callers, store tuples (the dataclass is frozen and hashable).
@@ -75,6 +112,10 @@ class SamplingParams:
             check(
                 value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
             )
+        check(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens cannot be combined with structured outputs: the grammar decides where the output may end",
+        )
         for token_id, bias in self.logit_bias.items():
             check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
 
@@ -94,6 +135,7 @@ class SamplingParams:
 
     @property
     def plain_argmax(self) -> bool:
-        """The token is the argmax of the raw logits: greedy, no bias or penalty changes them, and no logprobs are
-        asked for. (A pending ``min_tokens`` may still ban tokens: that depends on the request's progress.)"""
-        return self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+        """The token is the argmax of the raw logits: greedy, no bias, penalty or grammar changes them, and no logprobs
+        are asked for. (A pending ``min_tokens`` may still ban tokens: that depends on the request's progress.)"""
+        return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+                and self.structured_outputs is None)

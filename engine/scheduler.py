@@ -256,6 +256,12 @@ class Scheduler:
     @staticmethod
     def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        grammar = request.grammar
+        if grammar is not None and grammar.rejected:  # NOTE: the mask allows only accepted tokens; a bug, not input
+            logger.error("request %s: token %d is outside its grammar", request.request_id, token_id)
+            return RequestStatus.FINISHED_ABORTED
+        if grammar is not None and grammar.terminated:  # complete, an end-of-sequence token accepted (even ignore_eos)
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -39,6 +39,7 @@ def engine_info(engine: EngineCore) -> EngineInfo:
         kv_cache=engine.kv_cache.describe(),
         max_num_seqs=engine.config.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
     )
 
 

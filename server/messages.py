@@ -39,6 +39,7 @@ class EngineInfo:
     kv_cache: str  # the capacity line logged at start-up
     max_num_seqs: int
     max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (a grammar allows them once complete)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.limits import InvalidRequestError
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.formats import ChatFormat, CompletionFormat, TokenText, usage
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -39,6 +40,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
+        self.grammars = GrammarCompiler(tokenizer, engine.info.limits.vocab_size, list(engine.info.eos_token_ids))
         token_text = TokenText(tokenizer)
         self.completion_format = CompletionFormat(token_text)
         self.chat_format = ChatFormat(token_text)
@@ -62,6 +64,17 @@ class OpenAIServing:
                 self.engine.info.limits.validate(prompt.token_ids, params)
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=e.param) from None
+
+    async def _check_grammar(self, body: OpenAIRequest, params: SamplingParams) -> None:
+        """Compile the request's grammar here, off the event loop, so a bad one is a 400 before any stream starts
+        (the engine process compiles it again for its own matcher)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.compile, params.structured_outputs)
+        except ValueError as e:
+            param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+            raise APIError(400, str(e), param=param) from None
 
     def _prompt_text(self, prompt: Prompt) -> str:
         """What ``echo`` repeats: the prompt as sent, or its token ids decoded."""
@@ -126,6 +139,7 @@ class OpenAIServing:
                      params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None,
                      echo: bool = False) -> Response:
         self._validate(prompts, params)
+        await self._check_grammar(body, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = self._choices(request_id, prompts, params)
         self._admit(len(choices))

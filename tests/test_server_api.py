@@ -120,6 +120,29 @@ def test_chat_whole_and_streamed(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_structured_outputs(client, server):
+    """response_format (OpenAI's) and structured_outputs (vLLM's): the output parses, whole and streamed."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                           response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop"
+    assert json.loads(whole.choices[0].message.content).keys() == {"city", "country"}
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+    anything = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0.8,
+                                              seed=3, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    picked = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=1.0, n=3,
+                                       extra_body={"structured_outputs": {"choice": ["blue", "green", "grey"]}})
+    assert all(c.text in ("blue", "green", "grey") and c.finish_reason == "stop" for c in picked.choices)
+    wait_pool_free(server)
+
+
 def test_streaming_completion_sse_framing(server):
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 10, "temperature": 0, "stream": True,
             "stop": [" 7"], "stream_options": {"include_usage": True}}
@@ -160,6 +183,23 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+     400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json_object": True}, "min_tokens": 2}, 400,
+     "min_tokens"),
     ("/v1/nowhere", {"prompt": "hi"}, 404, None),
 ]
 
