@@ -18,6 +18,7 @@ import re
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
+from kernels import cpu as cpu_kernels
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
@@ -50,7 +51,11 @@ def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear."""
+    """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear: the C kernel where it can (~100x faster on a
+    CPU than unpacking every bit in torch), else torch."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu_kernels.available():
+        cpu_kernels.apply_token_bitmask(logits, rows.cpu(), bitmask.cpu())
+        return
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
     allowed = bits.flatten(1)[:, : logits.shape[1]].bool().to(logits.device)

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output import GrammarCompiler, apply_bitmask, new_bitmask
+from kernels import cpu as cpu_kernels
 from tests.conftest import hf_greedy
 
 SCHEMA = {
@@ -68,11 +69,17 @@ def test_grammar_requests_are_never_plain_argmax_and_refuse_min_tokens():
         SamplingParams(min_tokens=2, structured_outputs=grammar)
 
 
-def test_apply_bitmask_matches_xgrammar():
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_apply_bitmask_matches_xgrammar(path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(0)
     vocab = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
     bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 4), generator=gen, dtype=torch.int32)
     bitmask[1, 0] = 0  # a word with nothing allowed
+    bitmask[0, 1] = -1  # one with everything
     logits = torch.randn(4, vocab, generator=gen)
     expected = logits.clone()
     full = new_bitmask(4, vocab)  # xgrammar's index i picks row i of both the logits and the bitmask
@@ -80,6 +87,11 @@ def test_apply_bitmask_matches_xgrammar():
     xgr.apply_token_bitmask_inplace(expected, full, indices=[0, 2])
     apply_bitmask(logits, torch.tensor([0, 2]), bitmask)
     assert torch.equal(logits, expected) and bool(logits[2].isinf().any())
+    if path == "c":
+        with pytest.raises(ValueError, match="rows out of range"):
+            cpu_kernels.apply_token_bitmask(logits, torch.tensor([4]), bitmask[:1])
+        with pytest.raises(ValueError, match="do not fit"):
+            cpu_kernels.apply_token_bitmask(logits, torch.tensor([0]), bitmask[:1, :3])
     assert new_bitmask(3, vocab).shape == (3, 4) and bool((new_bitmask(1, vocab) == -1).all())
 
 

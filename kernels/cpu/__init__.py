@@ -78,6 +78,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
+    "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
 }
 _RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int}
 
@@ -371,6 +372,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
     _library().hp_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear; logits [B, vocab] fp32 with unit column
+    stride, rows [R] int64, bitmask [R, ceil(vocab / 32)] int32 (xgrammar's layout)."""
+    _check(logits, torch.float32, "logits")
+    _check(rows, torch.int64, "rows")
+    _check(bitmask, torch.int32, "bitmask")
+    batch, vocab = logits.shape
+    if logits.stride(1) != 1 or bitmask.shape != (rows.numel(), -(-vocab // 32)):
+        raise ValueError(f"apply_token_bitmask: logits {tuple(logits.shape)} (strides {logits.stride()}), "
+                         f"rows {tuple(rows.shape)} and bitmask {tuple(bitmask.shape)} do not fit")
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < batch:
+        raise ValueError(f"apply_token_bitmask: rows out of range [0, {batch})")
+    rows, bitmask = rows.contiguous(), bitmask.contiguous()
+    _library().hp_apply_token_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), bitmask.data_ptr(),
+                                      rows.numel(), bitmask.shape[1], vocab)
 
 
 def store_kv(
