@@ -213,6 +213,16 @@ def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_mode
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
+def test_structured_output_bench_times_both_workloads(tiny_model, capsys):
+    from loadtest.structured_output import main as structured_main
+
+    structured_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "6",
+                     "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "| 2 | plain |" in out and "| 2 | json_schema |" in out
+    assert "compile a fresh 30-property schema" in out and "apply 64 rows' masks" in out
+
+
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     from loadtest.kernel_ab import main as kernel_ab_main
 
