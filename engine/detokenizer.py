@@ -15,7 +15,8 @@ _CONTEXT_TOKENS = 5  # prompt tokens kept as left context, enough for sentencepi
 class IncrementalDetokenizer:
     """Holds one sequence's text; ``add`` appends new token ids and returns whether a stop string ended it.
 
-    Invariant: ``text`` never contains a stop string; after a stop, it is cut at the start of the match.
+    Invariant: ``text`` never contains a stop string; after a stop, it is cut at the start of the match (at its end
+    with ``include_stop``: then the stop string that ended it is the text's last part).
     """
 
     def __init__(
@@ -24,8 +25,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -63,7 +66,7 @@ class IncrementalDetokenizer:
         if not hits:
             return False
         index, stop = min(hits)
-        self.text = self.text[:index]
+        self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
         self.stop_reason = stop
         return True
 

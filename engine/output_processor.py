@@ -60,7 +60,8 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestState:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
         state = RequestState(request_id, index, prompt_token_ids, params, detok)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0

@@ -72,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's option)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -93,6 +93,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -127,6 +128,7 @@ class _SamplingFields(_Strict):
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=bias, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
         )
 

@@ -49,6 +49,9 @@ def test_stop_string_found_across_token_boundaries_and_earliest_wins(smollm2_tok
     detok = IncrementalDetokenizer(smollm2_tokenizer, [1], stop=("ghi", "c d"))
     stream(detok, ids)
     assert detok.text == "ab" and detok.stop_reason == "c d"
+    kept = IncrementalDetokenizer(smollm2_tokenizer, [1], stop=("ghi", "c d"), include_stop=True)
+    stream(kept, ids)
+    assert kept.text == "abc d" and kept.stop_reason == "c d"
 
 
 def test_random_texts_stream_a_whole_decode_cut_at_the_first_stop_to_complete(smollm2_tokenizer):

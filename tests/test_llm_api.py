@@ -100,6 +100,9 @@ def test_stop_strings_and_stop_token_ids(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop)]
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
+    kept = llm.generate(PROMPTS[6], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == base.text[: base.text.index(stop) + len(stop)] and kept.token_ids == out.token_ids
 
     stop_id = base.token_ids[4]
     out = llm.generate(PROMPTS[6], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0]
