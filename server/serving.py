@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -23,6 +24,8 @@ from server.formats import ChatFormat, CompletionFormat, TokenText, usage
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 DISCONNECT_POLL_S = 0.05
+# apply_chat_template's own parameters: chat_template_kwargs may not reach them
+_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 ResponseFormat = CompletionFormat | ChatFormat
 
@@ -118,17 +121,29 @@ class OpenAIServing:
                                  echo=body.echo)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None) -> Prompt:
+        """The conversation through the model's chat template. ``template_kwargs`` reach the template as variables
+        (e.g. Qwen3's ``enable_thinking``); none may stand for one of apply_chat_template's own arguments."""
+        if add_generation_prompt and continue_final_message:
+            raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
+                                "false", param="continue_final_message")
+        reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
-        prompt = self.chat_prompt(body.messages)
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                  body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs, None)

@@ -143,6 +143,20 @@ def test_structured_outputs(client, server):
     wait_pool_free(server)
 
 
+def test_chat_template_options(client):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs."""
+    question = {"role": "user", "content": "What is the capital of France?"}
+    opening = {"role": "assistant", "content": "The capital of France is"}
+    cont = client.chat.completions.create(model=MODEL, messages=[question, opening], max_tokens=3, temperature=0,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert cont.choices[0].message.content.startswith(" Paris")
+    plain = client.chat.completions.create(model=MODEL, messages=[question], max_tokens=1, temperature=0)
+    bare = client.chat.completions.create(model=MODEL, messages=[question], max_tokens=1, temperature=0,
+                                          extra_body={"add_generation_prompt": False,
+                                                      "chat_template_kwargs": {"enable_thinking": False}})
+    assert bare.usage.prompt_tokens < plain.usage.prompt_tokens  # no "<|im_start|>assistant" opened
+
+
 def test_streaming_completion_sse_framing(server):
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 10, "temperature": 0, "stream": True,
             "stop": [" 7"], "stream_options": {"include_usage": True}}
@@ -200,6 +214,10 @@ BAD_REQUESTS = [
      "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json_object": True}, "min_tokens": 2}, 400,
      "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     400, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
     ("/v1/nowhere", {"prompt": "hi"}, 404, None),
 ]
 
