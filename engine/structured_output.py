@@ -20,6 +20,7 @@ import torch
 from engine.sampling_params import StructuredOutputsParams
 from kernels import cpu as cpu_kernels
 
+CACHE_LIMIT_BYTES = 256 << 20  # the most memory xgrammar's cache of compiled grammars may hold, per process
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
 
@@ -78,8 +79,9 @@ class GrammarCompiler:
 
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            # NOTE: one thread: the engine compiles between steps on the cores the steps use
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            # NOTE: one thread: the engine compiles between steps on the cores the steps use. The cache is bounded:
+            # a server that sees a new schema in every request must not grow without end.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
         return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> object:
