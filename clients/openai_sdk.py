@@ -1,4 +1,5 @@
-"""Harpoon through the official openai SDK: a completion, a streamed completion and a chat.
+"""Harpoon through the official openai SDK: a completion, a streamed completion, a chat and a chat held to a JSON
+schema.
 
     python clients/openai_sdk.py [--base-url http://127.0.0.1:8000/v1] [--api-key KEY]
 """
@@ -29,8 +30,16 @@ def run(base_url: str, api_key: str) -> dict[str, str]:
     chat = client.chat.completions.create(model=model, max_tokens=48, temperature=0,
                                           messages=[{"role": "user", "content": "Name three colours."}])
     print(f"chat: {chat.choices[0].message.content!r}")
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    structured = client.chat.completions.create(
+        model=model, max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    print(f"json: {structured.choices[0].message.content}")
     return {"completion": completion.choices[0].text, "stream": "".join(streamed),
-            "chat": chat.choices[0].message.content}
+            "chat": chat.choices[0].message.content, "json": structured.choices[0].message.content}
 
 
 def main() -> None:

@@ -84,6 +84,7 @@ def test_python_clients(server):
 
     out = run(f"{server.base_url}/v1", "unused")
     assert "Paris" in out["completion"] and out["stream"] and out["chat"]
+    assert json.loads(out["json"]).keys() == {"city", "country"}
 
     from openai import OpenAI
 
