@@ -70,7 +70,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.max_model_len = self._max_model_len()
         self.dtype = config.resolve_dtype(self.device)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)

@@ -27,7 +27,7 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
                              f"{', '.join(given) or 'none'}")
@@ -38,9 +38,12 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"structured_outputs {name} must be a non-empty string")
 
+    def _given(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 
 import torch
 
@@ -67,7 +68,7 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary into per-request ``Grammar``s. xgrammar
     caches what it compiled, so a schema sent again costs only a new matcher."""
 
-    def __init__(self, tokenizer: object, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: object, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)

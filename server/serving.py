@@ -43,7 +43,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
-        self.grammars = GrammarCompiler(tokenizer, engine.info.limits.vocab_size, list(engine.info.eos_token_ids))
+        self.grammars = GrammarCompiler(tokenizer, engine.info.limits.vocab_size, engine.info.eos_token_ids)
         token_text = TokenText(tokenizer)
         self.completion_format = CompletionFormat(token_text)
         self.chat_format = ChatFormat(token_text)
