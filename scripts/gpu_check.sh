@@ -19,7 +19,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 if [[ " $STEPS " == *" tests "* ]]; then
-    TESTS=${TESTS:-tests/test_kernels.py tests/test_fused_ops.py tests/test_gpu.py}
+    TESTS=${TESTS:-tests/test_kernels.py tests/test_fused_ops.py tests/test_gpu.py tests/test_structured_output.py}
     # shellcheck disable=SC2086
     $PY -m pytest -q -p no:cacheprovider -rs -s $TESTS 2>&1 \
         | tee "$OUT/tests.log" || status=1

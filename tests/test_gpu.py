@@ -37,9 +37,13 @@ def hf_greedy_with_top_k(model, prompt_ids: list[int], max_new_tokens: int) -> t
 
 
 @pytest.fixture(scope="module")
-def expected_float32(smollm2_path, prompt_ids) -> list[list[int]]:
-    hf = hf_on_gpu(smollm2_path, torch.float32)
-    return [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+def hf_float32(smollm2_path):
+    return hf_on_gpu(smollm2_path, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def expected_float32(hf_float32, prompt_ids) -> list[list[int]]:
+    return [hf_greedy(hf_float32, ids, MAX_NEW) for ids in prompt_ids]
 
 
 def test_float32_greedy_equals_transformers_with_staggered_arrivals(prompt_ids, expected_float32):
@@ -60,6 +64,18 @@ def test_float32_greedy_with_ngram_drafts_equals_transformers(prompt_ids, expect
     stats = engine.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert engine.model_runner.graphs.num_replays > 0
+
+
+def test_bfloat16_kv_cache_equals_transformers_with_rounded_kv(hf_float32, prompt_ids):
+    """A float32 model over a bfloat16 pool: the Triton kernels store K/V rounded to bfloat16 and read them back
+    into float32 arithmetic, so greedy tokens equal transformers' with every K/V value rounded the same way on its
+    way into the cache, graphs and eager alike."""
+    expected = [hf_greedy(hf_float32, ids, MAX_NEW, kv_dtype=torch.bfloat16) for ids in prompt_ids]
+    for eager in (False, True):
+        engine = engine_with(device="cuda", dtype="float32", kv_cache_dtype="bfloat16", enforce_eager=eager)
+        assert engine.kv_cache.layers[0][0].dtype == torch.bfloat16
+        tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+        assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
 
 
 def test_bfloat16_greedy_agrees_with_transformers_until_a_near_tie(smollm2_path, prompt_ids):

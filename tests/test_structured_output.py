@@ -2,6 +2,7 @@
 choices and EBNF. Greedy tokens under a grammar equal transformers' greedy generate under xgrammar's own logits
 processor, beside plain requests, under preemption and with n-gram drafting on."""
 
+import copy
 import json
 import re
 
@@ -96,9 +97,27 @@ def test_apply_bitmask_matches_xgrammar(path, monkeypatch):
 
 
 # ---- the default model ----------------------------------------------------------------------------------------------
+# float32 on each device, against transformers on the same device; on a GPU the mask takes the torch path.
+DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def engine_on(device: str, **options) -> EngineCore:
+    return EngineCore(EngineConfig(model=None, device=device, dtype="float32", max_num_batched_tokens=256, **options))
+
+
 @pytest.fixture(scope="module")
-def engine():
-    return EngineCore(EngineConfig(model=None, max_num_batched_tokens=256))
+def engine(device):
+    return engine_on(device)
+
+
+@pytest.fixture(scope="module")
+def hf_model(device, hf_smollm2):
+    return hf_smollm2 if device == "cpu" else copy.deepcopy(hf_smollm2).to(device)
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +159,19 @@ def greedy(grammar: StructuredOutputsParams | None) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def expected(engine, hf_smollm2, chat_ids) -> list[list[int]]:
+def expected(engine, hf_model, chat_ids) -> list[list[int]]:
     """transformers' greedy generate under xgrammar's logits processor (the same grammars, compiled for the same
     end-of-sequence tokens), and plain greedy for the plain requests."""
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
     refs = []
     for ids, grammar in zip(chat_ids, GRAMMARS, strict=True):
         with torch.inference_mode():
-            prompt = torch.tensor([ids])
-            out = hf_smollm2.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW,
-                                      do_sample=False, pad_token_id=hf_smollm2.generation_config.eos_token_id,
-                                      logits_processor=[xgr.contrib.hf.LogitsProcessor(compiler.compile(grammar))])
+            prompt = torch.tensor([ids], device=hf_model.device)
+            out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_NEW,
+                                    do_sample=False, pad_token_id=hf_model.generation_config.eos_token_id,
+                                    logits_processor=[xgr.contrib.hf.LogitsProcessor(compiler.compile(grammar))])
         refs.append(out[0, len(ids) :].tolist())
-    return refs + [hf_greedy(hf_smollm2, ids, MAX_NEW) for ids in chat_ids[:2]]
+    return refs + [hf_greedy(hf_model, ids, MAX_NEW) for ids in chat_ids[:2]]
 
 
 def mixed_batch(chat_ids: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
@@ -173,12 +192,11 @@ def test_greedy_under_a_grammar_equals_transformers_with_xgrammar(engine, chat_i
 
 
 @pytest.mark.parametrize("pool_blocks", [None, 9])
-def test_grammar_outputs_unchanged_by_preemption_and_drafting(chat_ids, expected, pool_blocks):
+def test_grammar_outputs_unchanged_by_preemption_and_drafting(device, chat_ids, expected, pool_blocks):
     """N-gram drafting on (grammar requests never draft: their tokens are not plain argmaxes) and, with a 9-block
     pool, preemption by recompute: each grammar keeps its place, as the request keeps its tokens."""
     memory = None if pool_blocks is None else pool_blocks * BYTES_PER_BLOCK
-    engine = EngineCore(EngineConfig(model=None, max_num_batched_tokens=256, kv_cache_memory=memory,
-                                     speculative_config={"disable_by_batch_size": None}))
+    engine = engine_on(device, kv_cache_memory=memory, speculative_config={"disable_by_batch_size": None})
     assert [tokens for tokens, _ in run(engine, mixed_batch(chat_ids))] == expected
     assert (engine.scheduler.num_preemptions > 0) == (pool_blocks is not None)
     assert engine.stats().spec_draft_tokens > 0
