@@ -17,6 +17,7 @@ from engine.model_loader import load_tokenizer, resolve_model
 from server.api import build_app
 from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
+from server.gc_heap import freeze_startup_heap
 from server.metrics import Metrics
 
 logger = logging.getLogger("harpoon.serve")
@@ -83,6 +84,7 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
+    freeze_startup_heap()
     logger.info("serving %s as %r on %s (%s) | %s", files.name, name, info.device, info.dtype, info.kv_cache)
     logger.info("ready: http://%s:%d/v1  (max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
                 args.host, args.port, info.limits.max_model_len, info.max_num_seqs, info.max_num_batched_tokens)

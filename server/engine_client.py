@@ -63,7 +63,7 @@ def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int)
         return messages
 
     try:
-        run_engine_loop(config, receive, conn.send)
+        run_engine_loop(config, receive, conn.send, freeze_heap=True)
     except (EOFError, BrokenPipeError):
         pass  # the server went away: nothing left to serve
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from server.gc_heap import freeze_startup_heap
 from server.messages import (
     AbortRequests,
     AddRequest,
@@ -43,12 +44,15 @@ def engine_info(engine: EngineCore) -> EngineInfo:
     )
 
 
-def run_engine_loop(config: EngineConfig, receive: Receive, send: Send) -> None:
+def run_engine_loop(config: EngineConfig, receive: Receive, send: Send, freeze_heap: bool = False) -> None:
+    """``freeze_heap``: in a process of its own, keep the start-up heap out of later garbage collections."""
     try:
         engine = EngineCore(config)
     except Exception as e:
         send(EngineFailed(f"engine failed to start: {e}\n{traceback.format_exc()}"))
         return
+    if freeze_heap:
+        freeze_startup_heap()
     send(EngineReady(engine_info(engine)))
     try:
         while True:

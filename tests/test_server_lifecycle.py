@@ -30,7 +30,7 @@ async def until_engine_reports(http: httpx.AsyncClient, running: int, waiting: i
 
 async def test_api_key_admission_limit_and_sigterm_drain():
     server = ServerProcess("--api-key", "sekret", "--max-num-seqs", "2", "--max-waiting-requests", "1",
-                           "--shutdown-timeout", "60")
+                           "--shutdown-timeout", "60", "--log-level", "info")
     try:
         url = server.base_url
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
@@ -58,6 +58,8 @@ async def test_api_key_admission_limit_and_sigterm_drain():
         assert [d.status_code for d in done] == [200, 200, 200]
         assert all(d.json()["usage"]["completion_tokens"] == LONG["max_tokens"] for d in done)
         assert server.proc.wait(30) == 0
+        # Both processes, the server's and the engine's, froze their start-up heaps once ready.
+        assert server.log.read_text().count("objects kept out of garbage collection") == 2
     finally:
         server.stop()
 
