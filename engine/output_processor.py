@@ -78,11 +78,18 @@ class OutputProcessor:
             state.prompt_logprobs = output.prompt_logprobs
         state.num_cached_tokens = output.num_cached_tokens
         stopped = False
+        # The core stops only on a stop token (EOS, stop_token_ids, or a grammar's end), the last one here. Like a
+        # stop string, its text is left out unless include_stop_str_in_output: it shows with skip_special_tokens
+        # off, or where stop_token_ids name plain tokens.
+        last_text = len(output.new_token_ids) - (
+            output.finish_reason == "stop" and not state.params.include_stop_str_in_output)
         for i, token_id in enumerate(output.new_token_ids):  # several where speculative drafts were accepted
             state.token_ids.append(token_id)
             if output.new_logprobs is not None and state.logprobs is not None:
                 state.logprobs.append(output.new_logprobs[i])
                 state.cumulative_logprob += output.new_logprobs[i][token_id].logprob
+            if i == last_text:
+                break
             stopped = state.detokenizer.add([token_id])
             if stopped:  # the token that completed the stop string is the last one kept
                 break

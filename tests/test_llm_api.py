@@ -109,6 +109,12 @@ def test_stop_strings_and_stop_token_ids(llm):
     completion = out.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
     assert completion.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    # the stop token's own text is left out, as a stop string's is, unless include_stop_str_in_output
+    decode = llm.tokenizer.decode
+    assert completion.text == decode(completion.token_ids[:-1]) != decode(completion.token_ids)
+    kept = llm.generate(PROMPTS[6], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == decode(completion.token_ids) and kept.token_ids == completion.token_ids
     assert_pool_free(llm)
 
 
@@ -118,6 +124,8 @@ def test_eos_finishes_with_stop_and_ignore_eos_runs_to_length(llm):
     )
     out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    shown = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False))[0]
+    assert shown.outputs[0].text == out.text  # special tokens shown, but not the EOS that ended the text
     forced = llm.generate([chat], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 3, ignore_eos=True))
     assert forced[0].outputs[0].finish_reason == "length"
     assert len(forced[0].outputs[0].token_ids) == len(out.token_ids) + 3
