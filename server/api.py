@@ -45,9 +45,9 @@ async def parse_body(raw: Request, model: type[ModelT]) -> ModelT:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_waiting_requests: int = 1024) -> FastAPI:
+              max_waiting_requests: int = 1024, tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="Harpoon", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests)
+    serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser)
     app.state.engine = engine
     app.state.draining = False
     created = int(time.time())

@@ -19,6 +19,7 @@ from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
 from server.gc_heap import freeze_startup_heap
 from server.metrics import Metrics
+from server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("harpoon.serve")
 
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="/health turns 503 if requests are in flight and no step finished for this long")
     parser.add_argument("--in-process-engine", action="store_true",
                         help="run the engine on a thread of this process (debugging)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice "auto" (the default with tools) read calls from the text; needs '
+                             "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5/3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
     return parser
@@ -80,7 +86,9 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     info = await client.start()
     name = args.served_model_name or files.name
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
-    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                    tool_call_parser=parser)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
@@ -97,6 +105,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = engine_args_from(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args, engine_args))

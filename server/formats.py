@@ -77,14 +77,23 @@ class ChatFormat:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-               stop_reason: int | str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def choice(self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+               stop_reason: int | str | None, tool_calls: list[dict] | None = None) -> dict:
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                     stop_reason: int | str | None, first: bool = False) -> dict:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                     stop_reason: int | str | None, first: bool = False, tool_calls: list[dict] | None = None
+                     ) -> dict:
+        """A first chunk that opens with tool calls has content null, as a whole message with only calls has."""
+        delta: dict = {"content": text} if text else {}
+        if first:
+            delta = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -161,10 +162,62 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates read a call: its arguments as an object where they parse as one."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def for_template(self) -> dict:
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -174,6 +227,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

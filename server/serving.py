@@ -21,7 +21,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.formats import ChatFormat, CompletionFormat, TokenText, usage
-from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from server.tool_calls import ToolPlan, plan_tools, whole_message
 
 DISCONNECT_POLL_S = 0.05
 # apply_chat_template's own parameters: chat_template_kwargs may not reach them
@@ -38,8 +39,10 @@ class Prompt:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, served_model_name: str,
-                 max_waiting_requests: int) -> None:
+                 max_waiting_requests: int, tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: how ``tool_choice`` "auto" reads calls from the text; None refuses "auto"."""
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
@@ -76,7 +79,10 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(self.grammars.compile, params.structured_outputs)
         except ValueError as e:
-            param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+            if body.structured_outputs is not None:
+                param = "structured_outputs"
+            else:
+                param = "response_format" if body.response_format is not None else "tools"
             raise APIError(400, str(e), param=param) from None
 
     def _prompt_text(self, prompt: Prompt) -> str:
@@ -122,7 +128,8 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None) -> Prompt:
+                    continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None,
+                    tools: list[dict] | None = None) -> Prompt:
         """The conversation through the model's chat template. ``template_kwargs`` reach the template as variables
         (e.g. Qwen3's ``enable_thinking``); none may stand for one of apply_chat_template's own arguments."""
         if add_generation_prompt and continue_final_message:
@@ -131,9 +138,10 @@ class OpenAIServing:
         reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [m.for_template() for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools or None,
+                                                      add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False,
                                                       **(template_kwargs or {}))
         except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
@@ -142,17 +150,33 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        try:
+            plan = plan_tools(tools, choice, body.parallel_tool_calls, self.tool_call_parser)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                  body.chat_template_kwargs)
+                                  body.chat_template_kwargs, tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs, None)
-        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs)
+        grammar = plan.structured_outputs()
+        if grammar is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {plan.kind!r} holds the output to the tools' schemas: it cannot be "
+                                    "combined with response_format or structured_outputs", param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=grammar)
+        if plan.kind == "auto":  # a parser's tags may be special tokens: keep them in the text it reads
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs,
+                                 tools=plan if plan.kind != "none" else None)
 
     # ---- shared -------------------------------------------------------------------------------------------------
     async def _serve(self, body: OpenAIRequest, raw: Request, prefix: str, prompts: list[Prompt],
                      params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None,
-                     echo: bool = False) -> Response:
+                     echo: bool = False, tools: ToolPlan | None = None) -> Response:
+        """``tools``: how a chat's text becomes tool calls (None: plain content)."""
         self._validate(prompts, params)
         await self._check_grammar(body, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -163,7 +187,7 @@ class OpenAIServing:
         header = {"id": request_id, "created": created, "model": self.served_model_name}
         if body.stream:
             stream = self._stream(header, choices, prompts, fmt, num_logprobs, echo, body.include_usage,
-                                  num_prompt_tokens)
+                                  num_prompt_tokens, tools)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         states = await self._collect(choices, raw)
@@ -179,7 +203,12 @@ class OpenAIServing:
                 entries = list(state.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
             if num_logprobs is not None:
                 logprobs = fmt.logprobs(token_ids, entries, num_logprobs, 0)
-            out_choices.append(fmt.choice(state.index, text, logprobs, state.finish_reason, state.stop_reason))
+            if tools is None:
+                out_choices.append(fmt.choice(state.index, text, logprobs, state.finish_reason, state.stop_reason))
+                continue
+            content, calls = whole_message(tools, text)
+            finish = tools.finish_reason(state.finish_reason, bool(calls))
+            out_choices.append(fmt.choice(state.index, content, logprobs, finish, state.stop_reason, calls))
         return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
                              "usage": usage(num_prompt_tokens, states, params.n)})
 
@@ -212,8 +241,10 @@ class OpenAIServing:
 
     async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt: ResponseFormat,
                       num_logprobs: int | None, echo: bool, include_usage: bool,
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, tools: ToolPlan | None) -> AsyncIterator[str]:
         chunk_header = {**header, "object": fmt.chunk_object}
+        readers = {c.index: tools.reader() for c in choices} if tools is not None else {}
+        called: set[int] = set()
         sent_text = dict.fromkeys((c.index for c in choices), 0)
         sent_tokens = dict.fromkeys(sent_text, 0)
         text_offset = dict.fromkeys(sent_text, 0)
@@ -255,11 +286,18 @@ class OpenAIServing:
                     sent_text[i], sent_tokens[i] = end, len(state.token_ids)
                     finish = state.finish_reason if state.finished else None
                     stop_reason = state.stop_reason if finish else None
-                    if i in first_chunk:
-                        first_chunk.discard(i)
-                        choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason, first=True)
-                    else:
-                        choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason)
+                    calls: list[dict] = []
+                    if readers:
+                        delta = readers[i].feed(text, state.finished)
+                        text, calls = delta.content, delta.tool_calls
+                        if calls:
+                            called.add(i)
+                        finish = tools.finish_reason(finish, i in called)
+                    chat_only = {"first": True} if i in first_chunk else {}  # both empty for a completion
+                    if calls:
+                        chat_only["tool_calls"] = calls
+                    first_chunk.discard(i)
+                    choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason, **chat_only)
                     yield event({**chunk_header, "choices": [choice], **extra})
             if include_usage:
                 total = usage(num_prompt_tokens, list(states.values()), n)

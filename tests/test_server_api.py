@@ -143,6 +143,48 @@ def test_structured_outputs(client, server):
     wait_pool_free(server)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+
+
+def test_tool_calls(client, server):
+    """A named function and "required": the calls parse and name the tools, whole and streamed alike, and the
+    conversation goes on with the calls and a tool's answer in it, as an agent loop sends them."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = dict(model=MODEL, messages=messages, max_tokens=80, temperature=0, tools=[WEATHER, CLOCK])
+    named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments).keys() == {"city"}
+
+    required = client.chat.completions.create(**ask, tool_choice="required")
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls and all(name in ("get_weather", "get_time") for name, _ in calls)
+    assert all(isinstance(json.loads(arguments), dict) for _, arguments in calls)
+    assert len({c.id for c in choice.message.tool_calls}) == len(calls)
+
+    streamed: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**ask, tool_choice="required", stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta_call.index, ["", ""])
+            entry[0] += delta_call.function.name or ""
+            entry[1] += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls and finish == "tool_calls"
+
+    answer = {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "Sunny, 22 C"}
+    follow = client.chat.completions.create(model=MODEL, messages=[*messages, choice.message, answer], max_tokens=5,
+                                            temperature=0, tools=[WEATHER, CLOCK], tool_choice="none")
+    assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+    wait_pool_free(server)
+
+
 def test_chat_template_options(client):
     """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs."""
     question = {"role": "user", "content": "What is the capital of France?"}
@@ -218,6 +260,22 @@ BAD_REQUESTS = [
      400, "continue_final_message"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}, 400,
+     "tool_choice"),  # "auto", the default with tools, needs a tool-call parser
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, WEATHER],
+                              "tool_choice": "required"}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none",
+                              "tools": [{"type": "function", "function": {"name": "has space"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                  "type": "objectx"}}}]}, 400, "tools"),
     ("/v1/nowhere", {"prompt": "hi"}, 404, None),
 ]
 
