@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_engine import AsyncEngine
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.serving import OpenAIServing
+from server.serving import OpenAIServing, render_chat
 
 logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -107,7 +107,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         body = await parse_body(raw, TokenizeRequest)
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = serving.chat_prompt(body.messages).token_ids
+            tokens = render_chat(serving.tokenizer, body.messages).token_ids
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens),

@@ -127,27 +127,6 @@ class OpenAIServing:
                                  echo=body.echo)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None,
-                    tools: list[dict] | None = None) -> Prompt:
-        """The conversation through the model's chat template. ``template_kwargs`` reach the template as variables
-        (e.g. Qwen3's ``enable_thinking``); none may stand for one of apply_chat_template's own arguments."""
-        if add_generation_prompt and continue_final_message:
-            raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
-                                "false", param="continue_final_message")
-        reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-        conversation = [m.for_template() for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools or None,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tokenize=False,
-                                                      **(template_kwargs or {}))
-        except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
-
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -156,8 +135,8 @@ class OpenAIServing:
             plan = plan_tools(tools, choice, body.parallel_tool_calls, self.tool_call_parser)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
-        prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                  body.chat_template_kwargs, tools)
+        prompt = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                             body.chat_template_kwargs, tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs, None)
@@ -306,6 +285,28 @@ class OpenAIServing:
             status = 400 if isinstance(e, RequestRejectedError) else 503
             yield event(APIError(status, str(e)).body())
         yield "data: [DONE]\n\n"
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None,
+                tools: list[dict] | None = None) -> Prompt:
+    """The conversation through the model's chat template. ``template_kwargs`` reach the template as variables
+    (e.g. Qwen3's ``enable_thinking``); none may stand for one of apply_chat_template's own arguments."""
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
+                            "false", param="continue_final_message")
+    reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    conversation = [m.for_template() for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=tools or None,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False,
+                                             **(template_kwargs or {}))
+    except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
 def _sampling_params(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None

@@ -1,5 +1,6 @@
 """A server with n-gram speculative decoding: streamed and whole responses carry transformers' greedy text, several
-tokens arriving per step, and a stop string met inside a step's tokens cuts the text exactly there."""
+tokens arriving per step, and a stop string met inside a step's tokens cuts the text exactly there. The same server
+reads tool calls with the hermes parser (tool_choice "auto"), several tokens of a tag arriving at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--speculative-config", '{"num_speculative_tokens": 4, "disable_by_batch_size": null}',
-                      "--max-num-batched-tokens", "128")
+                      "--max-num-batched-tokens", "128", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 
@@ -64,3 +65,30 @@ def test_stop_string_inside_accepted_drafts(server, expected_text):
         text, _, last = complete(server, stream=stream, stop=[stop])
         assert text == cut
         assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+
+
+def test_auto_tool_calls_read_by_the_hermes_parser(server):
+    """The model is held to a hermes-style call by a regex (a request's own structured outputs stay allowed with
+    "auto"), so the parser meets real streamed text: the same call whole and streamed, finish reason tool_calls."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [tool], "max_tokens": 120, "temperature": 0, "structured_outputs": {"regex": (
+                r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}'
+                r"\n</tool_call>")}}
+    whole = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking.\n"
+    [call] = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]).keys() == {"city"}
+
+    content, calls, finish = "", [], None
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                content += choice["delta"].get("content") or ""
+                calls += choice["delta"].get("tool_calls", [])
+                finish = choice["finish_reason"] or finish
+    assert content == "Checking.\n" and finish == "tool_calls"
+    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]

@@ -1,6 +1,7 @@
 """Tool calls read from generated text: each tool_choice's reader, whole and under every way a stream can cut the
 text, and the checks of a request's tools and tool_choice (no model)."""
 
+import copy
 import json
 
 import pytest
@@ -8,6 +9,8 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server.protocol import ChatMessage
+from server.serving import render_chat
 from server.tool_calls import HermesCallsReader, RequiredCallsReader, plan_tools, whole_message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -143,3 +146,23 @@ def test_required_grammar_accepts_only_calls_of_the_tools(smollm2_tokenizer):
     assert not accepts(parallel, '[{"name": "get_date", "parameters": {}}]')
     named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True, None)
     assert json.loads(named.structured_outputs().json) == WEATHER["function"]["parameters"]
+
+
+TOOL_TEMPLATE = (  # what tool-aware templates read: the tools, an assistant's calls (arguments as an object), ids
+    "{% for t in tools or [] %}tool {{ t.function.name }}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} city={{ c.function.arguments.city }}]"
+    "{% endfor %}{% if m.tool_call_id %} (answers {{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+)
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    messages = [ChatMessage(role="user", content="Weather in Paris?"),
+                ChatMessage(role="assistant", tool_calls=[{"id": "call-1", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+                ChatMessage(role="tool", tool_call_id="call-1", content="Sunny")]
+    prompt = render_chat(tokenizer, messages, add_generation_prompt=False, tools=[WEATHER, TIME])
+    assert prompt.text == ("tool get_weather\ntool get_time\nuser: Weather in Paris?\n"
+                           "assistant: [call-1 get_weather city=Paris]\ntool: Sunny (answers call-1)\n")
