@@ -133,8 +133,8 @@ class OpenAIServing:
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         try:
             plan = plan_tools(tools, choice, body.parallel_tool_calls, self.tool_call_parser)
-        except ValueError as e:
-            raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+        except ValueError as e:  # the message opens with the field at fault
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
         prompt = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                              body.chat_template_kwargs, tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -197,8 +197,8 @@ class ToolPlan:
 
 def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool,
                parser: str | None) -> ToolPlan:
-    """Raise ValueError naming the field at fault; ``parser`` is the server's ``--tool-call-parser`` when
-    ``--enable-auto-tool-choice`` is on, else None."""
+    """Raise ValueError whose message opens with the field at fault; ``parser`` is the server's
+    ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on, else None."""
     tools = tools or []
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
