@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let tool_choice "auto" (the default with tools) read calls from the text; needs '
                              "--tool-call-parser")
-    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5/3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)

@@ -25,7 +25,6 @@ from typing import Protocol
 
 from engine.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
 _ANY_OBJECT = {"type": "object"}
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
@@ -161,6 +160,9 @@ class HermesCallsReader:
         return call
 
 
+TOOL_CALL_PARSERS = {"hermes": HermesCallsReader}  # --tool-call-parser: how "auto" reads calls from the text
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolPlan:
     """A chat request's tool choice, checked against its tools and the server's parser."""
@@ -188,7 +190,7 @@ class ToolPlan:
             return NamedCallReader(self.name)
         if self.kind == "required":
             return RequiredCallsReader()
-        return HermesCallsReader() if self.kind == "auto" else None
+        return TOOL_CALL_PARSERS[self.parser]() if self.kind == "auto" else None
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """OpenAI's: ``tool_calls`` when the model chose to call (auto, required); a named call ends with ``stop``."""
