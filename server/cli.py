@@ -86,9 +86,9 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     info = await client.start()
     name = args.served_model_name or files.name
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
-    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    tool_call_parser=parser)
+                    tool_call_parser=auto_tool_parser)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
