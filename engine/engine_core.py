@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,13 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import Grammar, GrammarCompiler
 from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 BUDGET_PROBE_TOKENS, BUDGET_PROBES = 256, 5
 WARM_UP_PROMPT_LEN, WARM_UP_EARLY_PROMPTS = 128, 3
+GRAMMAR_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
+        self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
         self.max_model_len = self._max_model_len()
         self.dtype = config.resolve_dtype(self.device)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
@@ -213,26 +217,56 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request, or raise ValueError (with a message for the user) if it can never be served."""
+        """Queue a request, or raise ValueError (with a message for the user) if it can never be served. A request
+        with a grammar waits for its compile off the step loop; a compile that fails after the grammar parsed comes
+        back from a later step as an output with ``error`` set."""
         self.limits.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests or request_id in self._compiling:
+            raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
-        if params.structured_outputs is not None:
-            request.grammar = self.grammars.grammar(params.structured_outputs)
-        self.scheduler.add_request(request)
+        if params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        self.grammars.check(params.structured_outputs)
+        self._compiling[request_id] = (request, self.grammars.submit(params.structured_outputs))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is not None:
+                compiling[1].cancel()  # if it has not started; a running compile still fills xgrammar's cache
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand the requests whose grammars are ready to the scheduler, in arrival order; a grammar that failed
+        finishes its request with an error. With nothing else to run, first wait a little for a compile to end."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            pending = [future for _, future in self._compiling.values()]
+            futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        errors = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                request.grammar = future.result()
+            except ValueError as e:
+                errors.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(e)))
+                continue
+            self.scheduler.add_request(request)
+        return errors
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
             self.scheduler.num_running,
-            self.scheduler.num_waiting,
+            self.scheduler.num_waiting + len(self._compiling),
             bm.usage,
             bm.num_free_blocks,
             bm.num_blocks,
@@ -245,9 +279,10 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        errors = self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return errors
         result = self.model_runner.execute(sched)
         for request_id, entries in result.prompt_logprobs.items():
             request = self.scheduler.requests[request_id]
@@ -257,7 +292,7 @@ class EngineCore:
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled_token_ids)}
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        outputs = []
+        outputs = errors
         for request in sched.scheduled_requests:
             if request.request_id not in num_before:
                 continue  # a prefill chunk short of the prompt's end

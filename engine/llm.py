@@ -71,6 +71,8 @@ class LLM:
     def _run(self, processor: OutputProcessor) -> None:
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
+                if output.error is not None:
+                    raise ValueError(output.error)
                 _, stopped_by_string = processor.process(output)
                 if stopped_by_string:
                     self.engine.abort_requests([output.request_id])

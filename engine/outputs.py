@@ -30,6 +30,7 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival in the engine to the first step; with the first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    error: str | None = None  # why it could not be served (finish_reason "abort", no tokens): for the user
 
     @property
     def finished(self) -> bool:

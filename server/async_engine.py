@@ -140,6 +140,9 @@ class AsyncEngine:
             queue = self._queues.get(output.request_id)
             if queue is None:
                 continue  # aborted on our side; the engine learns of it at its next step
+            if output.error is not None:
+                queue.put_nowait(RequestRejectedError(output.error))
+                continue
             state, stopped_by_string = self.processor.process(output)
             if stopped_by_string:
                 stopped.append(output.request_id)

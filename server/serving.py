@@ -72,12 +72,12 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=e.param) from None
 
     async def _check_grammar(self, body: OpenAIRequest, params: SamplingParams) -> None:
-        """Compile the request's grammar here, off the event loop, so a bad one is a 400 before any stream starts
-        (the engine process compiles it again for its own matcher)."""
+        """Parse the request's grammar here, off the event loop, so a bad one is a 400 before any stream starts
+        (the engine compiles its token masks)."""
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.to_thread(self.grammars.compile, params.structured_outputs)
+            await asyncio.to_thread(self.grammars.check, params.structured_outputs)
         except ValueError as e:
             if body.structured_outputs is not None:
                 param = "structured_outputs"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import PROMPTS
 
 
@@ -168,3 +168,18 @@ def test_a_step_that_samples_nothing():
     assert len(out.prompt_token_ids) > 3 * 16 and len(out.outputs[0].token_ids) == 4
     reference = LLM().generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_a_grammar_that_fails_to_compile_raises_and_leaves_the_engine_serving(llm, monkeypatch):
+    def failing(params: StructuredOutputsParams) -> object:
+        raise ValueError("the regex was rejected: too many states")
+
+    monkeypatch.setattr(llm.engine.grammars, "grammar", failing)
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    with pytest.raises(ValueError, match="too many states"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(temperature=0, max_tokens=50), params])
+    assert not llm.engine.has_unfinished_requests()
+    assert_pool_free(llm)
+    monkeypatch.undo()
+    [out] = llm.generate(PROMPTS[0], params)
+    assert set(out.outputs[0].text) <= {"a", "b"}

@@ -223,6 +223,17 @@ def test_structured_output_bench_times_both_workloads(tiny_model, capsys):
     assert "compile a fresh 30-property schema" in out and "apply 64 rows' masks" in out
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
+def test_grammar_compile_bench_times_both_ways_to_compile(tiny_model, capsys):
+    from loadtest.grammar_compile import main as grammar_main
+
+    grammar_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "12", "--join-step",
+                  "4", "--rounds", "1"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert [row[1] for row in rows] == ["inline", "thread"]
+    assert all(float(cell) > 0 for row in rows for cell in (row[2], row[4], row[5].rstrip(" |")))
+
+
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     from loadtest.kernel_ab import main as kernel_ab_main
 

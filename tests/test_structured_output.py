@@ -5,6 +5,7 @@ processor, beside plain requests, under preemption and with n-gram drafting on."
 import copy
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -243,4 +244,72 @@ def test_bad_grammars_are_rejected_before_the_pool(engine, chat_ids, grammar, me
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", chat_ids[0], SamplingParams(structured_outputs=grammar))
     assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def held_compiles(engine: EngineCore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every grammar compile on the engine's compile thread until the returned event is set."""
+    gate = threading.Event()
+    compile_grammar = engine.grammars.grammar
+
+    def held(params: StructuredOutputsParams) -> object:
+        assert gate.wait(timeout=60), "the test never released the compile"
+        return compile_grammar(params)
+
+    monkeypatch.setattr(engine.grammars, "grammar", held)
+    return gate
+
+
+def test_requests_step_on_while_a_grammar_compiles(engine, chat_ids, expected, monkeypatch):
+    """A compile runs beside the steps, not inside one: a plain request that arrived after the grammar request runs
+    to its end while the compile is held, and the grammar request then runs as it would have."""
+    gate = held_compiles(engine, monkeypatch)
+    engine.add_request("grammar", chat_ids[0], greedy(GRAMMARS[0]))
+    engine.add_request("plain", chat_ids[0], greedy(None))
+    tokens: dict[str, list[int]] = {"grammar": [], "plain": []}
+    finished: set[str] = set()
+    while "plain" not in finished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.add(out.request_id)
+    assert tokens == {"grammar": [], "plain": expected[5]}
+    assert engine.has_unfinished_requests() and engine.stats().num_waiting == 1  # counted while it compiles
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens["grammar"] == expected[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine, chat_ids, monkeypatch):
+    gate = held_compiles(engine, monkeypatch)
+    engine.add_request("a", chat_ids[1], greedy(GRAMMARS[1]))  # compiling (held)
+    engine.add_request("b", chat_ids[2], greedy(GRAMMARS[2]))  # queued behind it on the compile thread
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", chat_ids[1], greedy(None))
+    engine.abort_requests(["a", "b"])
+    assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
+    gate.set()
+    assert engine.step() == []
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_grammar_that_fails_to_compile_finishes_its_request_with_the_error(engine, chat_ids, monkeypatch):
+    """The grammar parsed (add_request accepted it) but its compile failed: the request comes back from a step with
+    the error, no tokens and finish reason abort, and the request beside it is untouched."""
+    def failing(params: StructuredOutputsParams) -> object:
+        raise ValueError("the JSON schema was rejected: out of memory")
+
+    monkeypatch.setattr(engine.grammars, "grammar", failing)
+    engine.add_request("bad", chat_ids[0], greedy(GRAMMARS[0]))
+    engine.add_request("plain", chat_ids[1], SamplingParams(temperature=0, max_tokens=3))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [bad] = [o for o in outputs if o.request_id == "bad"]
+    assert (bad.error, bad.finish_reason, bad.new_token_ids) == ("the JSON schema was rejected: out of memory",
+                                                                  "abort", [])
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "plain") == 3
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
