@@ -8,8 +8,9 @@ becomes OpenAI ``tool_calls``, whole or streamed.
   objects, one per call (at most one without ``parallel_tool_calls``). Each call goes out once its object is
   complete.
 - ``auto``: the model decides, and a tool parser reads its calls from the text. It needs ``--enable-auto-tool-choice
-  --tool-call-parser hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, as Qwen2.5, Qwen3 and
-  Hermes models write them.
+  --tool-call-parser P``: ``hermes`` reads ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, as Qwen2.5,
+  Qwen3 and Hermes models write them; ``llama3_json`` reads an output that is ``{"name": ..., "parameters": ...}``
+  objects, as Llama 3.1-3.3 write them.
 
 Each choice's text goes through its own reader as it streams. A whole response feeds its text to one in one piece,
 so both shapes say the same.
@@ -153,14 +154,74 @@ class HermesCallsReader:
             value = json.loads(body)
         except json.JSONDecodeError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        call = _first_delta(self.count, value["name"], _arguments(value.get("arguments", {})))
-        self.count += 1
+        call = _named_call(value, self.count)
+        self.count += call is not None
         return call
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesCallsReader}  # --tool-call-parser: how "auto" reads calls from the text
+def _named_call(value: object, index: int) -> dict | None:
+    """A call's first delta from ``{"name": ..., "arguments" (or "parameters"): ...}``, or None if it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return _first_delta(index, value["name"], _arguments(arguments))
+
+
+class Llama3JsonCallsReader:
+    """Llama 3.x's JSON calls: an output that opens with ``{`` (or ``<|python_tag|>``) is one or more
+    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``, each a call once it is complete; any other
+    output is content. An output whose first object is not such a call is content as written, and so is what follows
+    the last call that parsed."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.pos = 0  # where the next call may begin; in content, what was sent
+        self.calls: bool | None = None  # undecided until the output's first characters show
+        self.count = 0
+
+    def feed(self, text: str, final: bool) -> Delta:
+        self.buffer += text
+        if self.calls is None:
+            head = self.buffer.lstrip()
+            if head.startswith((self.TAG, "{")):
+                self.calls = True
+                self.pos = len(self.buffer) - len(head) + (len(self.TAG) if head.startswith(self.TAG) else 0)
+            elif self.TAG.startswith(head) and not final:
+                return Delta()  # only whitespace yet, or the tag's beginning
+            else:
+                self.calls = False
+        if not self.calls:
+            content, self.pos = self.buffer[self.pos :], len(self.buffer)
+            return Delta(content=content)
+        delta = Delta()
+        while True:
+            i = _SEPARATORS.match(self.buffer, self.pos).end()
+            if i == len(self.buffer):
+                return delta
+            try:
+                value, end = _DECODER.raw_decode(self.buffer, i)
+                call = _named_call(value, self.count)
+            except json.JSONDecodeError:  # unfinished, or not JSON
+                if not final:
+                    return delta
+                call = None
+            if call is None:
+                if self.count == 0:  # no call made: the whole output is content
+                    self.calls, self.pos = False, 0
+                    return Delta(content=self.feed("", final).content)
+                delta.content += self.buffer[i:]
+                self.pos = len(self.buffer)
+                return delta
+            delta.tool_calls.append(call)
+            self.count += 1
+            self.pos = end
+
+
+_SEPARATORS = re.compile(r"[ \t\n\r;]*")
+# --tool-call-parser: how "auto" reads calls from the text
+TOOL_CALL_PARSERS = {"hermes": HermesCallsReader, "llama3_json": Llama3JsonCallsReader}
 
 
 @dataclasses.dataclass(frozen=True)

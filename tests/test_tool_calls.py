@@ -11,13 +11,21 @@ from hypothesis import strategies as st
 
 from server.protocol import ChatMessage
 from server.serving import render_chat
-from server.tool_calls import HermesCallsReader, RequiredCallsReader, plan_tools, whole_message
+from server.tool_calls import (
+    HermesCallsReader,
+    Llama3JsonCallsReader,
+    RequiredCallsReader,
+    plan_tools,
+    whole_message,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris; {FR}"}}; '
+          '{"name": "get_time", "arguments": {}}')
 REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris, \\"FR\\" [x]"}}, {"name": "get_time", ' \
            '"parameters": {}}]'
 
@@ -83,6 +91,43 @@ def test_hermes_holds_back_only_what_could_open_a_call():
 
 
 @settings(max_examples=150, deadline=None)
+@given(cuts=cut_points, tagged=st.booleans())
+def test_llama3_json_calls_read_the_same_whole_and_streamed(cuts, tagged):
+    plan = plan_tools([WEATHER, TIME], "auto", True, "llama3_json")
+    text = LLAMA3 if tagged else " " + LLAMA3.removeprefix("<|python_tag|>")
+    content, calls = whole_message(plan, text)
+    assert content is None
+    assert without_ids(calls) == [("get_weather", '{"city": "Paris; {FR}"}'), ("get_time", "{}")]
+    s_content, s_calls = streamed(plan, text, [c for c in cuts if c < len(text)])
+    assert (s_content, without_ids(s_calls)) == ("", without_ids(calls))
+
+
+@pytest.mark.parametrize(("text", "content", "names"), [
+    ("The weather is fine.", "The weather is fine.", []),
+    ("<|python", "<|python", []),  # cut short inside the tag: what there is, as content
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call: an answer in JSON
+    ('{"name": "get_time", "parameters": {', '{"name": "get_time", "parameters": {', []),  # cut by max_tokens
+    ('{"name": "get_time", "parameters": {}} and then some', "and then some", ["get_time"]),
+])
+def test_llama3_json_output_that_is_not_all_calls(text, content, names):
+    plan = plan_tools([WEATHER, TIME], "auto", True, "llama3_json")
+    whole_content, calls = whole_message(plan, text)
+    assert (whole_content or "", [c["function"]["name"] for c in calls]) == (content, names)
+    for cut in range(1, len(text)):
+        s_content, s_calls = streamed(plan, text, [cut])
+        assert (s_content, [c["function"]["name"] for c in s_calls]) == (content, names)
+
+
+def test_llama3_json_decides_on_the_first_characters():
+    reader = Llama3JsonCallsReader()
+    assert reader.feed(" \n<|py", final=False) == Llama3JsonCallsReader().feed("", final=False)  # undecided
+    assert reader.feed("x", final=False).content == " \n<|pyx"  # not the tag: content, from the start
+    calls = Llama3JsonCallsReader()
+    assert calls.feed('{"name": "get_time", "param', final=False).tool_calls == []  # a call, not yet complete
+    assert [c["function"]["name"] for c in calls.feed('eters": {}}', final=False).tool_calls] == ["get_time"]
+
+
+@settings(max_examples=150, deadline=None)
 @given(cuts=cut_points)
 def test_required_calls_read_the_same_whole_and_streamed(cuts):
     plan = plan_tools([WEATHER, TIME], "required", True, None)
@@ -125,6 +170,7 @@ def test_tool_choice_checks():
     assert plan_tools([], None, True, None).kind == "none"
     assert plan_tools([WEATHER], "none", True, None).reader() is None
     assert plan_tools([WEATHER], None, True, "hermes").kind == "auto"
+    assert isinstance(plan_tools([WEATHER], "auto", True, "llama3_json").reader(), Llama3JsonCallsReader)
 
 
 def test_required_grammar_accepts_only_calls_of_the_tools(smollm2_tokenizer):
