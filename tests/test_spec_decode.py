@@ -139,6 +139,7 @@ def test_engine_outputs_carry_only_the_tokens_kept(monkeypatch):
     bm = BlockManager(8, 4)
     engine.scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     engine.proposer = None
+    engine._compiling = {}  # no grammar requests
     a = make("a", [1, 2, 3], max_tokens=4)
     engine.scheduler.add_request(a)
     emitted = iter([[4], [5, 6, 7, 8]])
