@@ -199,7 +199,7 @@ class Llama3JsonCallsReader:
         while True:
             i = _SEPARATORS.match(self.buffer, self.pos).end()
             if i == len(self.buffer):
-                return delta
+                return self._as_content() if final and self.count == 0 else delta  # (the tag alone)
             try:
                 value, end = _DECODER.raw_decode(self.buffer, i)
                 call = _named_call(value, self.count)
@@ -209,14 +209,17 @@ class Llama3JsonCallsReader:
                 call = None
             if call is None:
                 if self.count == 0:  # no call made: the whole output is content
-                    self.calls, self.pos = False, 0
-                    return Delta(content=self.feed("", final).content)
+                    return self._as_content()
                 delta.content += self.buffer[i:]
                 self.pos = len(self.buffer)
                 return delta
             delta.tool_calls.append(call)
             self.count += 1
             self.pos = end
+
+    def _as_content(self) -> Delta:
+        self.calls, self.pos = False, len(self.buffer)
+        return Delta(content=self.buffer)
 
 
 _SEPARATORS = re.compile(r"[ \t\n\r;]*")

@@ -105,6 +105,7 @@ def test_llama3_json_calls_read_the_same_whole_and_streamed(cuts, tagged):
 @pytest.mark.parametrize(("text", "content", "names"), [
     ("The weather is fine.", "The weather is fine.", []),
     ("<|python", "<|python", []),  # cut short inside the tag: what there is, as content
+    ("<|python_tag|>", "<|python_tag|>", []),  # the tag, and nothing after it
     ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call: an answer in JSON
     ('{"name": "get_time", "parameters": {', '{"name": "get_time", "parameters": {', []),  # cut by max_tokens
     ('{"name": "get_time", "parameters": {}} and then some', "and then some", ["get_time"]),
