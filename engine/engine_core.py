@@ -33,7 +33,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer
-from engine.structured_output import Grammar, GrammarCompiler
+from engine.structured_output import Grammar, GrammarCompiler, check_grammar
 from kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class EngineCore:
         if params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
-        self.grammars.check(params.structured_outputs)
+        check_grammar(params.structured_outputs)
         self._compiling[request_id] = (request, self.grammars.submit(params.structured_outputs))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -8,9 +8,9 @@ new token back to the request's matcher. Greedy stays exact: the argmax of the m
 complete only the end-of-sequence tokens are allowed, and accepting one ends the request.
 
 Compiling a grammar for a vocabulary can take seconds (a JSON schema's ``maxLength: 100`` takes ~1.2 s for SmolLM2's
-49k tokens), so it is split in two: ``check`` parses the grammar (under a millisecond; every error a user can make
-shows here) and ``submit`` compiles its token masks on a worker thread, which xgrammar runs without the GIL. The
-engine keeps stepping meanwhile and admits the request once its grammar is ready.
+49k tokens), so it is split in two: ``check_grammar`` parses the grammar (under a millisecond; every error a user can
+make shows here) and ``GrammarCompiler.submit`` compiles its token masks on a worker thread, which xgrammar runs
+without the GIL. The engine keeps stepping meanwhile and admits the request once its grammar is ready.
 
 xgrammar is imported with the first grammar, so an engine that never sees one never pays for the import.
 """
@@ -100,20 +100,6 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
         return self._compiler
 
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Parse the grammar without compiling its token masks: ValueError with a message for the user if it is
-        not one xgrammar accepts."""
-        import xgrammar as xgr
-
-        with _user_errors(params.kind):
-            if params.kind == "json":
-                json.loads(params.json)
-                xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-            elif params.kind == "regex":
-                xgr.Grammar.from_regex(params.regex)
-            elif params.kind in ("choice", "grammar"):
-                xgr.Grammar.from_ebnf(_ebnf(params))
-
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled grammar, or ValueError with a message for the user."""
         compiler = self._xgrammar_compiler()
@@ -138,6 +124,21 @@ class GrammarCompiler:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
                                                 initializer=_lower_priority)
         return self._executor.submit(self.grammar, params)
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """Parse the grammar without compiling its token masks (no tokenizer needed): ValueError with a message for the
+    user if it is not one xgrammar accepts."""
+    import xgrammar as xgr
+
+    with _user_errors(params.kind):
+        if params.kind == "json":
+            json.loads(params.json)
+            xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+        elif params.kind == "regex":
+            xgr.Grammar.from_regex(params.regex)
+        elif params.kind in ("choice", "grammar"):
+            xgr.Grammar.from_ebnf(_ebnf(params))
 
 
 def _lower_priority() -> None:

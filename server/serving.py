@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.limits import InvalidRequestError
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import check_grammar
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.formats import ChatFormat, CompletionFormat, TokenText, usage
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
@@ -46,7 +46,6 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
-        self.grammars = GrammarCompiler(tokenizer, engine.info.limits.vocab_size, engine.info.eos_token_ids)
         token_text = TokenText(tokenizer)
         self.completion_format = CompletionFormat(token_text)
         self.chat_format = ChatFormat(token_text)
@@ -77,7 +76,7 @@ class OpenAIServing:
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.to_thread(self.grammars.check, params.structured_outputs)
+            await asyncio.to_thread(check_grammar, params.structured_outputs)
         except ValueError as e:
             if body.structured_outputs is not None:
                 param = "structured_outputs"

@@ -28,6 +28,7 @@ from engine.sampling_params import StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_SEPARATORS = re.compile(r"[ \t\n\r;]*")  # between Llama 3's calls
 _DECODER = json.JSONDecoder()
 
 
@@ -221,8 +222,6 @@ class Llama3JsonCallsReader:
         self.calls, self.pos = False, len(self.buffer)
         return Delta(content=self.buffer)
 
-
-_SEPARATORS = re.compile(r"[ \t\n\r;]*")
 # --tool-call-parser: how "auto" reads calls from the text
 TOOL_CALL_PARSERS = {"hermes": HermesCallsReader, "llama3_json": Llama3JsonCallsReader}
 
