@@ -106,8 +106,11 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks matching the start of ``request``'s tokens. At least the last token
-        is always left to compute, so the step has logits to sample from."""
-        if not self.enable_caching:
+        is always left to compute, so the step has logits to sample from.
+
+        NOTE: a request that asks for prompt logprobs takes no cached blocks (as in vLLM): its scores come from the
+        logits of every prompt position, which a cache hit skips. It still registers its blocks for others."""
+        if not self.enable_caching or request.prompt_logprobs_requested:
             return []
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

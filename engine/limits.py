@@ -6,15 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_manager import cdiv
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-
-
-class InvalidRequestError(ValueError):
-    """Bad input, with the request field it is about (``param`` in OpenAI's error envelope)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -35,6 +28,9 @@ class EngineLimits:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if num_prompt >= self.max_model_len:  # first: a long prompt is refused before its entries are read
+            raise InvalidRequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                      f"has {num_prompt}, leaving no room for output", "prompt")
         wrong_type = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
         if wrong_type:
             raise InvalidRequestError(f"prompt entry {wrong_type[0]!r} is not a token id (an integer)", "prompt")
@@ -43,9 +39,6 @@ class EngineLimits:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})", name)
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                      f"has {num_prompt}, leaving no room for output", "prompt")
         max_tokens = self.resolve_max_tokens(num_prompt, params)
         if num_prompt + max_tokens > self.max_model_len:
             raise InvalidRequestError(

@@ -6,7 +6,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+# A seed is a 64-bit signed integer (vLLM's and torch's range); the n samples of a request use seed .. seed + n - 1,
+# which torch's generators take up to 2**64 - 1.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -29,14 +35,15 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = self._given()
         if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
-                             f"{', '.join(given) or 'none'}")
+            raise InvalidRequestError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                                      f"{', '.join(given) or 'none'}", "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+            raise InvalidRequestError("structured_outputs choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+                raise InvalidRequestError(f"structured_outputs {name} must be a non-empty string", "structured_outputs")
 
     def _given(self) -> list[str]:
         return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -87,41 +94,40 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
+        """Raise InvalidRequestError naming the field at fault and what it allows."""
 
-        check(self.n >= 1, f"n must be at least 1, got {self.n}")
-        check(0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or positive, got {self.top_k}")
-        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
-        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
-        )
-        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(
-            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
-        )
-        check(
-            0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-        )
-        check(len(self.stop) <= 4, f"at most 4 stop sequences are allowed, got {len(self.stop)}")
-        check(all(s for s in self.stop), "stop sequences must be non-empty strings")
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param} {message}", param)
+
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= -1, "top_k", f"must be -1 or 0 (disabled) or positive, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
+              f"must be a 64-bit signed integer, in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+              f"must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+              f"must be in (0, 2], got {self.repetition_penalty}")
+        check(len(self.stop) <= MAX_STOP_SEQUENCES, "stop",
+              f"may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
+        check(all(s for s in self.stop), "stop", "sequences must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(
-                value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
-            )
-        check(
-            self.structured_outputs is None or self.min_tokens == 0,
-            "min_tokens cannot be combined with structured outputs: the grammar decides where the output may end",
-        )
+            check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                  f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+        check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+              "cannot be combined with structured outputs: the grammar decides where the output may end")
         for token_id, bias in self.logit_bias.items():
-            check(-100.0 <= bias <= 100.0, f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+            check(-100.0 <= bias <= 100.0, "logit_bias", f"for token {token_id} must be in [-100, 100], got {bias}")
 
     def for_sample(self, index: int) -> SamplingParams:
         """Sample ``index`` of ``n`` runs as a request of its own with n=1; a seed is offset by the index so the

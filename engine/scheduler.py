@@ -190,7 +190,8 @@ class Scheduler:
             request = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(request)
             hashes = request.block_hashes
-            if len(computed) < len(hashes) and hashes[len(computed)] in pending:
+            if (len(computed) < len(hashes) and hashes[len(computed)] in pending
+                    and not request.prompt_logprobs_requested):
                 break  # a running prefill is computing this request's next block: wait a step and share it
             num_computed = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget, prefill_budget)

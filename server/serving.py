@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from engine.limits import InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
 from engine.structured_output import check_grammar
