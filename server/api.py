@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
 from typing import TypeVar
 
@@ -13,40 +15,155 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.errors import InvalidRequestError
 from server.async_engine import AsyncEngine
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.serving import OpenAIServing, render_chat
+from server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# Deepest nesting of arrays and objects a body may have (the body itself is level 1). Real requests (chat messages,
+# JSON schemas, tools) stay far below; deeper ones could exhaust the recursion of the parsers behind us.
+MAX_JSON_DEPTH = 64
+_PARSE_INLINE_BYTES = 64 << 10  # larger bodies are parsed on a thread, so streams keep flowing meanwhile
 
 
-async def parse_body(raw: Request, model: type[ModelT]) -> ModelT:
-    if "application/json" not in raw.headers.get("content-type", ""):
-        raise APIError(400, "Content-Type must be application/json", code="invalid_content_type")
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes (before the rest is read)."""
+    too_large = APIError(413, f"the request body exceeds this server's limit of {limit} bytes "
+                              "(--max-request-body-bytes)", code="request_too_large")
+    length = raw.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def load_json(body: bytes) -> object:
+    """Parse a body, refusing (400) malformed JSON and nesting deeper than MAX_JSON_DEPTH."""
     try:
-        data = json.loads(await raw.body())
+        data = json.loads(body)
+    except RecursionError:  # deeper than the parser goes: find the field in the text
+        field = deep_field_in_text(body.decode("utf-8", errors="replace"), MAX_JSON_DEPTH)
+        raise APIError(400, f"{field or 'the JSON body'} nests deeper than {MAX_JSON_DEPTH} levels of arrays and "
+                            "objects", param=field) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if isinstance(data, dict):
+        field = too_deep(data, MAX_JSON_DEPTH)
+        if field is not None:
+            raise APIError(400, f"{field} nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects",
+                           param=field)
+    return data
+
+
+def too_deep(body: dict, limit: int) -> str | None:
+    """The top-level field under which ``body`` nests arrays and objects more than ``limit`` deep, if one does."""
+    stack = [(value, 2, key) for key, value in body.items() if isinstance(value, (dict, list))]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > limit:
+            return field
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1, field) for c in children if isinstance(c, (dict, list)))
+    return None
+
+
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def deep_field_in_text(text: str, limit: int) -> str | None:
+    """``too_deep`` for JSON text too deep to parse: the top-level key whose value opens the level past ``limit``
+    (the last string at level 1 before it is that key)."""
+    depth, key = 0, None
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                return key
+        elif token in "]}":
+            depth -= 1
+        elif depth == 1:
+            key = json.loads(token)
+    return None
+
+
+async def parse_body(raw: Request, model: type[ModelT], max_body_bytes: int) -> ModelT:
+    if "application/json" not in raw.headers.get("content-type", ""):
+        raise APIError(400, "Content-Type must be application/json", code="invalid_content_type")
+    body = await read_body(raw, max_body_bytes)
+    data = load_json(body) if len(body) <= _PARSE_INLINE_BYTES else await asyncio.to_thread(load_json, body)
     if not isinstance(data, dict):
         raise APIError(400, "the JSON body must be an object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        error = e.errors()[0]
-        param = str(error["loc"][0]) if error["loc"] else None
-        where = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "extra_forbidden":
-            message = f"unsupported parameter: '{where}' is not supported by this server"
-        else:
-            message = f"{where}: {error['msg']}" if where else error["msg"]
-        raise APIError(400, message, param=param) from None
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 naming the top-level field (a validator's own error names its
+    field itself)."""
+    error = e.errors()[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):
+        return APIError(400, str(cause), param=cause.param)
+    param = str(error["loc"][0]) if error["loc"] else None
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        message = f"unsupported parameter: '{where}' is not supported by this server"
+    else:
+        message = f"{where}: {error['msg']}" if where else error["msg"]
+    return APIError(400, message, param=param)
+
+
+class InternalErrorMiddleware:
+    """Any exception a route did not turn into an error response: a 500 with OpenAI's error JSON, and the
+    connection stays open for the client's next request. (Starlette's catch-all handler re-raises after
+    answering, and uvicorn then closes the connection, failing that next request too.) A response already under
+    way (a stream) is ended cleanly; streams put their own error event in first."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = finished = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                error = APIError(500, f"internal error: {type(e).__name__}: {e}")
+                await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_waiting_requests: int = 1024, tool_call_parser: str | None = None) -> FastAPI:
+              max_waiting_requests: int = 1024, tool_call_parser: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="Harpoon", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
+    app.add_middleware(InternalErrorMiddleware)
     serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser)
     app.state.engine = engine
     app.state.draining = False
@@ -61,7 +178,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _api_error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(raw: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -71,11 +188,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return _api_error_response(APIError(400, str(e.errors()[0].get("msg", e))))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _api_error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -96,26 +208,26 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions", dependencies=[Depends(guard)])
     async def completions(raw: Request) -> Response:
-        return await serving.completions(await parse_body(raw, CompletionRequest), raw)
+        return await serving.completions(await parse_body(raw, CompletionRequest, max_body_bytes), raw)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat_completions(raw: Request) -> Response:
-        return await serving.chat(await parse_body(raw, ChatCompletionRequest), raw)
+        return await serving.chat(await parse_body(raw, ChatCompletionRequest, max_body_bytes), raw)
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(raw: Request) -> JSONResponse:
-        body = await parse_body(raw, TokenizeRequest)
+        body = await parse_body(raw, TokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = render_chat(serving.tokenizer, body.messages).token_ids
+            tokens = (await serving.prompts.chat_prompt(body.messages)).token_ids
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await serving.prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens),
                              "max_model_len": engine.info.limits.max_model_len})
 
     @app.post("/detokenize", dependencies=[Depends(guard)])
     async def detokenize(raw: Request) -> JSONResponse:
-        body = await parse_body(raw, DetokenizeRequest)
+        body = await parse_body(raw, DetokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
         vocab = engine.info.limits.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]

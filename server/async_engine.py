@@ -1,8 +1,15 @@
-"""The asyncio face of the engine: submits requests, turns step outputs into per-request text, keeps metrics.
+"""The asyncio face of the engine: submits requests, turns step outputs into per-request text, keeps metrics, and
+supervises the engine.
 
 Each HTTP request gets one asyncio queue; every step's outputs are detokenized here (not in the engine process,
 which keeps stepping meanwhile) and the affected requests are woken. A request whose consumer goes away
 (client disconnect, cancellation) is aborted in the engine, so its blocks are freed within one step.
+
+Supervision: the API process outlives its engine. When the engine dies (killed by the OOM killer, crashed on a bug)
+or stalls with work in flight, every request in flight fails at once with a 503 that says so, and a new engine is
+started: at once after a first death, then after a back-off that doubles while deaths come within
+``STABLE_AFTER_S`` of a start. An engine that cannot be started again after ``MAX_START_ATTEMPTS`` tries is fatal:
+``on_fatal`` is called with the reason, and the server exits non-zero (so a container's restart policy takes over).
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -21,16 +28,27 @@ from engine.sampling_params import SamplingParams
 from server.engine_client import EngineClient
 from server.messages import AbortRequests, AddRequest, EngineFailed, RequestRejected, StepOutputs
 from server.metrics import Metrics
+from server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
+STABLE_AFTER_S = 60.0  # an engine that ran this long before dying is restarted at once
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+MAX_START_ATTEMPTS = 5  # consecutive failed starts before giving up
+WATCHDOG_INTERVAL_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine is not serving: it died, and a new one is starting (or could not be started)."""
+
+    def api_error(self) -> APIError:
+        return APIError(503, f"the engine is not running: {self}", headers={"Retry-After": "5"})
 
 
 class RequestRejectedError(ValueError):
-    pass
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -51,19 +69,33 @@ class _Timing:
 
 class AsyncEngine:
     def __init__(self, client: EngineClient, tokenizer: PreTrainedTokenizerBase, metrics: Metrics,
-                 stall_timeout: float = 60.0) -> None:
+                 stall_timeout: float = 60.0, on_fatal: Callable[[str], None] | None = None) -> None:
+        """``stall_timeout``: with requests in flight and no step finished for this long, the engine counts as
+        dead and is restarted. ``on_fatal``: called once if no engine can be started again."""
         self.client = client
         self.info = client.info
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.stall_timeout = stall_timeout
+        self.on_fatal = on_fatal
         self.processor = OutputProcessor(tokenizer)
-        self.stats = EngineStats(0, 0, 0.0, self.info.limits.num_blocks, self.info.limits.num_blocks, 0)
+        self.stats = self._idle_stats()
         self.dead_reason: str | None = None
+        self.fatal_reason: str | None = None
         self.last_progress = time.monotonic()
+        self._restarted_at: float | None = None  # when the engine now serving replaced a dead one
+        self._rapid_deaths = 0  # deaths in a row, each within STABLE_AFTER_S of the restart before it
         self._queues: dict[str, asyncio.Queue] = {}
         self._timings: dict[str, _Timing] = {}
+        self._kill_reason: str | None = None  # why the watchdog killed the engine, told instead of the signal
+        self._restarting: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._closed = False
         client.handler = self._on_message
+        metrics.engine_up.set(1)
+
+    def _idle_stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, self.info.limits.num_blocks, self.info.limits.num_blocks, 0)
 
     # ---- health ---------------------------------------------------------------------------------------------------
     @property
@@ -80,6 +112,78 @@ class AsyncEngine:
         if self._queues and stalled > self.stall_timeout:
             return f"engine made no progress for {stalled:.0f} s with {len(self._queues)} requests in flight"
         return None
+
+    def check_serving(self) -> None:
+        """Raise the 503 a new request gets while the engine is down."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason).api_error()
+
+    def start_watchdog(self) -> None:
+        """Restart an engine that stalls with requests in flight (call once, on the event loop)."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            stalled = time.monotonic() - self.last_progress
+            if self.dead_reason is None and self._queues and stalled > self.stall_timeout:
+                reason = f"engine made no progress for {stalled:.0f} s with {len(self._queues)} requests in flight"
+                logger.error("%s: killing it", reason)
+                self._kill_reason = f"{reason}, and was killed"
+                if not self.client.kill():  # an engine that cannot be killed (a thread) is left behind
+                    self._kill_reason = None
+                    self._engine_died(reason)
+
+    # ---- supervision ----------------------------------------------------------------------------------------------
+    def _engine_died(self, reason: str) -> None:
+        if self.dead_reason is not None or self._closed:
+            return
+        reason, self._kill_reason = self._kill_reason or reason, None
+        restarted = self._restarted_at
+        rapid = restarted is not None and time.monotonic() - restarted < STABLE_AFTER_S
+        self._rapid_deaths = self._rapid_deaths + 1 if rapid else 0
+        self.dead_reason = f"{reason}; a new engine is starting, retry shortly"
+        self.metrics.engine_deaths.inc()
+        self.metrics.engine_up.set(0)
+        error = EngineDeadError(f"{reason}; the request was lost, retry it")
+        for queue in set(self._queues.values()):
+            queue.put_nowait(error)
+        self._restarting = asyncio.get_running_loop().create_task(self._restart(reason))
+
+    async def _restart(self, reason: str) -> None:
+        delay = 0.0 if self._rapid_deaths == 0 else min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._rapid_deaths - 1))
+        for attempt in range(1, MAX_START_ATTEMPTS + 1):
+            logger.warning("%s: starting a new engine in %.0f s (attempt %d of %d)", reason, delay, attempt,
+                           MAX_START_ATTEMPTS)
+            await asyncio.sleep(delay)
+            if self._closed:
+                return
+            try:
+                info = await self.client.start()
+            except RuntimeError as e:
+                reason = str(e).splitlines()[0]
+                delay = min(MAX_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * delay))
+                continue
+            self.info = info
+            self.stats = self._idle_stats()
+            self.metrics.engine_restarted()
+            self._restarted_at = self.last_progress = time.monotonic()
+            self.dead_reason = None
+            logger.warning("a new engine is serving (%d restarts so far)", self.metrics.num_restarts)
+            return
+        self.fatal_reason = f"the engine could not be started again after {MAX_START_ATTEMPTS} attempts: {reason}"
+        self.dead_reason = self.fatal_reason
+        logger.critical(self.fatal_reason)
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal_reason)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in (self._restarting, self._watchdog):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     async def generate(self, choices: list[Choice]) -> AsyncIterator[RequestState]:
@@ -122,11 +226,9 @@ class AsyncEngine:
         elif isinstance(message, RequestRejected):
             queue = self._queues.get(message.request_id)
             if queue is not None:
-                queue.put_nowait(RequestRejectedError(message.message))
+                queue.put_nowait(RequestRejectedError(message.message, message.param))
         elif isinstance(message, EngineFailed):
-            self.dead_reason = message.message.splitlines()[0]
-            for queue in set(self._queues.values()):
-                queue.put_nowait(EngineDeadError(self.dead_reason))
+            self._engine_died(message.message.splitlines()[0])
         else:
             logger.warning("unexpected message from the engine: %r", message)
 

@@ -7,14 +7,15 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 
 import uvicorn
 
-from engine.cli import add_engine_arguments, engine_args_from
+from engine.cli import add_engine_arguments, engine_args_from, parse_memory
 from engine.config import EngineConfig
 from engine.model_loader import load_tokenizer, resolve_model
-from server.api import build_app
+from server.api import DEFAULT_MAX_BODY_BYTES, build_app
 from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
 from server.gc_heap import freeze_startup_heap
@@ -37,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests queued beyond max-num-seqs before new ones get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--max-request-body-bytes", type=_byte_size, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted (bytes, or e.g. 16MiB); larger ones get 413 "
+                             "(default 8MiB)")
     parser.add_argument("--health-stall-timeout", type=float, default=60.0,
-                        help="/health turns 503 if requests are in flight and no step finished for this long")
+                        help="with requests in flight and no step finished for this long, /health turns 503 and "
+                             "the engine is killed and started again")
     parser.add_argument("--in-process-engine", action="store_true",
                         help="run the engine on a thread of this process (debugging)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -49,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
     return parser
+
+
+def _byte_size(text: str) -> int:
+    size = parse_memory(text)
+    if not isinstance(size, int) or size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes (e.g. 8388608 or 8MiB), got {text!r}")
+    return size
+
+
+class EngineStartError(RuntimeError):
+    """No engine could be started: the server exits non-zero with this reason."""
 
 
 class _DrainingServer(uvicorn.Server):
@@ -83,15 +99,24 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     tokenizer = load_tokenizer(files)
     config = EngineConfig.from_kwargs(model=str(files.path), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
-    info = await client.start()
+    try:
+        info = await client.start()
+    except RuntimeError as e:
+        raise EngineStartError(str(e)) from None
     name = args.served_model_name or files.name
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
     auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    tool_call_parser=auto_tool_parser)
+                    tool_call_parser=auto_tool_parser, max_body_bytes=args.max_request_body_bytes)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
+
+    def give_up(reason: str) -> None:  # no engine could be started again: exit, for a supervisor to restart us
+        server.should_exit = True
+
+    engine.on_fatal = give_up
+    engine.start_watchdog()
     freeze_startup_heap()
     logger.info("serving %s as %r on %s (%s) | %s", files.name, name, info.device, info.dtype, info.kv_cache)
     logger.info("ready: http://%s:%d/v1  (max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d)",
@@ -99,7 +124,10 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     try:
         await server.serve()
     finally:
+        await engine.close()
         await client.shutdown()
+    if engine.fatal_reason is not None:
+        raise EngineStartError(engine.fatal_reason)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = engine_args_from(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args, engine_args))
+    try:
+        asyncio.run(serve(args, engine_args))
+    except EngineStartError as e:
+        logger.critical("%s", e)
+        sys.exit(f"harpoon serve: the engine could not start: {str(e).splitlines()[0]}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ same loop on a thread. Messages go out through ``send`` and come back to ``handl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,7 +36,8 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def start(self) -> EngineInfo:
-        """Start the engine and wait until its model is loaded; raise RuntimeError if it fails to start."""
+        """Start the engine and wait until its model is loaded; raise RuntimeError if it fails to start. Called
+        again after the engine died, it starts a new one."""
 
     @abstractmethod
     def send(self, message: object) -> None: ...
@@ -44,6 +47,10 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def shutdown(self) -> None: ...
+
+    def kill(self) -> bool:
+        """Kill a stalled engine; its death is then reported as any other. False where it cannot be killed."""
+        return False
 
     def _ready(self, message: object) -> EngineInfo:
         if isinstance(message, EngineFailed):
@@ -78,6 +85,7 @@ class MultiprocessEngineClient(EngineClient):
         self._closed = False
 
     async def start(self) -> EngineInfo:
+        self._release()  # a previous engine's pipe and sender, if it died
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_engine_process_main, name="harpoon-engine", daemon=True,
@@ -85,37 +93,66 @@ class MultiprocessEngineClient(EngineClient):
         self.process.start()
         child.close()
         loop = asyncio.get_running_loop()
-        info = self._ready(await loop.run_in_executor(None, self._first_message))
-        loop.add_reader(self.conn.fileno(), self._on_readable)
+        try:
+            info = self._ready(await loop.run_in_executor(None, self._first_message))
+        except RuntimeError:
+            self._release()
+            raise
+        loop.add_reader(self.conn.fileno(), functools.partial(self._on_readable, self.conn, self.process))
         # NOTE: a blocking send from the event loop could stall it while the engine is mid-step and the pipe is
         # full; a sender thread keeps the loop free.
-        self._sender = threading.Thread(target=self._send_loop, name="harpoon-engine-sender", daemon=True)
+        self._outbox = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, args=(self.conn, self._outbox),
+                                        name="harpoon-engine-sender", daemon=True)
         self._sender.start()
         return info
 
     def _first_message(self) -> object:
-        while not self.conn.poll(0.5):
-            if not self.process.is_alive():
-                return EngineFailed(f"engine process exited with code {self.process.exitcode} while starting")
-        return self.conn.recv()
-
-    def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
-                self.handler(self.conn.recv())
+            while not self.conn.poll(0.5):
+                if not self.process.is_alive():
+                    return EngineFailed(f"engine process {describe_exit(self.process.exitcode)} while starting")
+            return self.conn.recv()
         except (EOFError, OSError):
-            self._lost(f"engine process exited (code {self.process.exitcode})")
+            self.process.join(5)
+            return EngineFailed(f"engine process {describe_exit(self.process.exitcode)} while starting")
 
-    def _lost(self, reason: str) -> None:
-        asyncio.get_running_loop().remove_reader(self.conn.fileno())
-        if not self._closed:
-            logger.error(reason)
-            self.handler(EngineFailed(reason))
+    def _on_readable(self, conn: Connection, process: mp.process.BaseProcess) -> None:
+        """Messages of the engine behind ``conn``; its EOF is that engine's death, whichever engine runs now."""
+        try:
+            while conn.poll():
+                self.handler(conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            process.join(1)  # the pipe closes as the process exits: reap it, for its exit code
+            if not self._closed:
+                reason = f"engine process {describe_exit(process.exitcode)}"
+                logger.error(reason)
+                self.handler(EngineFailed(reason))
 
-    def _send_loop(self) -> None:
-        while (message := self._outbox.get()) is not None:
+    def _release(self) -> None:
+        """Forget a dead engine: stop its sender, close its pipe, reap its process."""
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender = None
+        if self.conn is not None:
             try:
-                self.conn.send(message)
+                asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            except (ValueError, OSError):
+                pass  # already closed
+            self.conn.close()
+            self.conn = None
+        if self.process is not None:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(5)
+            self.process = None
+
+    @staticmethod
+    def _send_loop(conn: Connection, outbox: queue.Queue[object | None]) -> None:
+        while (message := outbox.get()) is not None:
+            try:
+                conn.send(message)
             except (BrokenPipeError, OSError):
                 return
 
@@ -125,21 +162,23 @@ class MultiprocessEngineClient(EngineClient):
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
+    def kill(self) -> bool:
+        if self.process is None or not self.process.is_alive():
+            return False
+        self.process.kill()
+        return True
+
     async def shutdown(self) -> None:
         self._closed = True
         if self.process is None:
             return
         self.send(Shutdown())
         self._outbox.put(None)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.process.join, 10)
+        self._sender = None
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
         if self.process.is_alive():
             self.process.kill()
-        try:
-            loop.remove_reader(self.conn.fileno())
-        except (ValueError, OSError):
-            pass
-        self.conn.close()
+        self._release()
 
     @property
     def pid(self) -> int | None:
@@ -183,6 +222,17 @@ class InProcessEngineClient(EngineClient):
         if self._thread is not None:
             self.send(Shutdown())
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How an engine process ended, for an operator: a signal by name (SIGKILL is what the OOM killer sends)."""
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    name = signal.Signals(-exitcode).name
+    hint = " (the kernel's OOM killer sends it when memory runs out)" if -exitcode == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
 
 
 def make_engine_client(config: EngineConfig, in_process: bool = False) -> EngineClient:

@@ -73,7 +73,7 @@ def _handle(engine: EngineCore, message: object, send: Send) -> None:
         try:
             engine.add_request(message.request_id, message.prompt_token_ids, message.params)
         except ValueError as e:
-            send(RequestRejected(message.request_id, str(e)))
+            send(RequestRejected(message.request_id, str(e), getattr(e, "param", None)))
     elif isinstance(message, AbortRequests):
         engine.abort_requests(message.request_ids)
         send(StepOutputs([], engine.stats()))

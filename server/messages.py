@@ -57,6 +57,7 @@ class StepOutputs:
 class RequestRejected:
     request_id: str
     message: str
+    param: str | None = None  # the request field at fault, where known
 
 
 @dataclass(frozen=True)

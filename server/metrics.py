@@ -39,10 +39,14 @@ class Metrics:
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative drafts verified.")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                                        "Speculative drafts accepted (equal to the model's tokens).")
+        self.engine_up = gauge("engine_up", "1 while an engine serves, 0 while a dead one is being replaced.")
+        self.engine_deaths = counter("engine_deaths", "Engines that died or stalled (each one's requests were lost).")
+        self.engine_restarts = counter("engine_restarts", "New engines started after a death.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first step.")
+        self.num_restarts = 0
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "accepted": 0}
         self._stats: EngineStats | None = None
 
@@ -50,6 +54,14 @@ class Metrics:
         """Keeps the engine's latest stats; they reach the gauges and counters when rendered. NOTE: setting them on
         every step (each a lock) was ~8% of the server's CPU per streamed token."""
         self._stats = stats
+
+    def engine_restarted(self) -> None:
+        """A new engine counts its totals from zero: so do the increments taken from them."""
+        self.engine_restarts.inc()
+        self.num_restarts += 1
+        self.engine_up.set(1)
+        self._seen = dict.fromkeys(self._seen, 0)
+        self._stats = None
 
     def _apply_engine_stats(self) -> None:
         stats = self._stats

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+# The most samples one request may ask for (n, best_of): OpenAI's limit. A request's choices also count against the
+# server's admission limit (--max-waiting-requests beyond the running batch).
+MAX_N = 128
 
 
 class APIError(Exception):
@@ -32,7 +39,28 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """JSON types as OpenAI's API gives them: no coercion (``"max_tokens": "2"`` is a 400), no unknown fields, and
+    ``null`` for a field that has a default means that default (``"n": null``, as OpenAI and vLLM take it). Validators
+    raise InvalidRequestError, so a 400 names its field even where pydantic gives no location."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _defaults_without_null(cls)}
+
+
+@functools.cache
+def _defaults_without_null(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` (by name and alias) that have a default but do not admit None."""
+    names = set()
+    for name, info in model.model_fields.items():
+        if not info.is_required() and type(None) not in typing.get_args(info.annotation):
+            names |= {name, info.alias or name}
+    return frozenset(names)
 
 
 class StreamOptions(_Strict):
@@ -55,9 +83,10 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+            raise InvalidRequestError("response_format: json_schema is given exactly when type is 'json_schema'",
+                                      "response_format")
         if self.json_schema is not None and self.json_schema.schema_ is None:
-            raise ValueError("json_schema.schema is required")
+            raise InvalidRequestError("response_format: json_schema.schema is required", "response_format")
         return self
 
 
@@ -79,7 +108,7 @@ class StructuredOutputs(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -104,18 +133,18 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                         ) -> SamplingParams:
-        """Raise ValueError with the offending field's name at the start of the message."""
+        """Raise InvalidRequestError naming the offending field."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
 
         def given(value: object, default: object) -> object:
@@ -136,7 +165,8 @@ class _SamplingFields(_Strict):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
         if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
-            raise ValueError("response_format and structured_outputs cannot both be given")
+            raise InvalidRequestError("response_format and structured_outputs cannot both be given",
+                                      "response_format")
         if self.structured_outputs is not None:
             return self.structured_outputs.params()
         if fmt is None or fmt.type == "text":
@@ -155,6 +185,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # Samples generated per prompt, of which the n with the highest mean token logprob are returned (OpenAI's)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.num_samples > self.n:
+            raise InvalidRequestError("best_of greater than n cannot be streamed: the best are known at the end",
+                                      "best_of")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        """Samples to generate per prompt."""
+        return self.best_of or self.n
 
 
 class TextPart(_Strict):
@@ -219,6 +265,11 @@ class ChatMessage(_Strict):
             message["tool_call_id"] = self.tool_call_id
         return message
 
+    def num_chars(self) -> int:
+        """Characters of text this message brings to the prompt (its content, name and calls)."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + len(self.name or "") + calls
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -242,7 +293,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs is only allowed when logprobs is true")
+            raise InvalidRequestError("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         return self
 
 
@@ -255,7 +306,7 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
         return self
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,20 +21,14 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import check_grammar
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.formats import ChatFormat, CompletionFormat, TokenText, usage
-from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from server.prompts import Prompt, PromptBuilder
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from server.tool_calls import ToolPlan, plan_tools, whole_message
 
+logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.05
-# apply_chat_template's own parameters: chat_template_kwargs may not reach them
-_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 ResponseFormat = CompletionFormat | ChatFormat
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    text: str | None
-    token_ids: list[int]
 
 
 class OpenAIServing:
@@ -44,6 +38,7 @@ class OpenAIServing:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
         self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer, engine.info.limits.max_model_len)
         self.served_model_name = served_model_name
         self.max_in_flight = engine.info.max_num_seqs + max_waiting_requests
         token_text = TokenText(tokenizer)
@@ -57,8 +52,7 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def _admit(self, num_choices: int) -> None:
-        if self.engine.dead_reason is not None:
-            raise APIError(503, f"the engine is not running: {self.engine.dead_reason}")
+        self.engine.check_serving()
         if self.engine.num_in_flight + num_choices > self.max_in_flight:
             raise APIError(429, f"the server is at capacity ({self.engine.num_in_flight} requests in flight); "
                                 "retry shortly", headers={"Retry-After": "1"})
@@ -78,11 +72,7 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(check_grammar, params.structured_outputs)
         except ValueError as e:
-            if body.structured_outputs is not None:
-                param = "structured_outputs"
-            else:
-                param = "response_format" if body.response_format is not None else "tools"
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=_grammar_param(body)) from None
 
     def _prompt_text(self, prompt: Prompt) -> str:
         """What ``echo`` repeats: the prompt as sent, or its token ids decoded."""
@@ -97,33 +87,15 @@ class OpenAIServing:
         return choices
 
     # ---- /v1/completions ------------------------------------------------------------------------------------------
-    def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
-        p = body.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            items = [p]
-        else:
-            items = list(p)
-        if not items:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise APIError(400, "prompt must not be empty", param="prompt")
-                prompts.append(Prompt(item, self.tokenizer.encode(item)))
-            else:
-                prompts.append(Prompt(None, list(item)))
-        return prompts
-
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
-        prompts = self.completion_prompts(body)
+        prompts = await self.prompts.completion_prompts(body)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        if body.num_samples > body.n:  # best_of: every sample's logprob ranks it, asked for or not
+            params = dataclasses.replace(params, n=body.num_samples, logprobs=params.logprobs or 0)
         return await self._serve(body, raw, "cmpl", prompts, params, self.completion_format, body.logprobs,
-                                 echo=body.echo)
+                                 echo=body.echo, keep=body.n)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -132,10 +104,10 @@ class OpenAIServing:
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         try:
             plan = plan_tools(tools, choice, body.parallel_tool_calls, self.tool_call_parser)
-        except ValueError as e:  # the message opens with the field at fault
-            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
-        prompt = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.chat_template_kwargs, tools)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        prompt = await self.prompts.chat_prompt(body.messages, body.add_generation_prompt,
+                                                body.continue_final_message, body.chat_template_kwargs, tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs, None)
@@ -153,8 +125,9 @@ class OpenAIServing:
     # ---- shared -------------------------------------------------------------------------------------------------
     async def _serve(self, body: OpenAIRequest, raw: Request, prefix: str, prompts: list[Prompt],
                      params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None,
-                     echo: bool = False, tools: ToolPlan | None = None) -> Response:
-        """``tools``: how a chat's text becomes tool calls (None: plain content)."""
+                     echo: bool = False, tools: ToolPlan | None = None, keep: int | None = None) -> Response:
+        """``tools``: how a chat's text becomes tool calls (None: plain content). ``keep``: of the ``params.n``
+        samples of each prompt, answer with this many, those of the highest mean token logprob (best_of)."""
         self._validate(prompts, params)
         await self._check_grammar(body, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -168,10 +141,13 @@ class OpenAIServing:
                                   num_prompt_tokens, tools)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        states = await self._collect(choices, raw)
+        states = sorted(await self._collect(choices, raw), key=lambda s: s.index)
+        answered, n = states, params.n
+        if keep is not None and keep < params.n:
+            answered, n = _best_samples(states, params.n, keep), keep
         out_choices = []
-        for state in sorted(states, key=lambda s: s.index):
-            prompt = prompts[state.index // params.n]
+        for state in answered:
+            prompt = prompts[state.index // n]
             text, logprobs = state.text, None
             token_ids = list(state.token_ids)
             entries: list = list(state.logprobs or [])
@@ -209,9 +185,9 @@ class OpenAIServing:
                     raise APIError(499, "client disconnected")
             task.result()
         except RequestRejectedError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=e.param) from None
         except EngineDeadError as e:
-            raise APIError(503, f"the engine is not running: {e}") from None
+            raise e.api_error() from None
         finally:
             if not task.done():
                 task.cancel()
@@ -280,38 +256,39 @@ class OpenAIServing:
             if include_usage:
                 total = usage(num_prompt_tokens, list(states.values()), n)
                 yield event({**chunk_header, "choices": [], "usage": total})
-        except (RequestRejectedError, EngineDeadError) as e:
-            status = 400 if isinstance(e, RequestRejectedError) else 503
-            yield event(APIError(status, str(e)).body())
+        except RequestRejectedError as e:
+            yield event(APIError(400, str(e), param=e.param).body())
+        except EngineDeadError as e:
+            yield event(e.api_error().body())
+        except Exception as e:  # a bug: the stream still ends as a stream should, and the server goes on
+            logger.exception("streaming a response failed")
+            yield event(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         yield "data: [DONE]\n\n"
-
-
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None,
-                tools: list[dict] | None = None) -> Prompt:
-    """The conversation through the model's chat template. ``template_kwargs`` reach the template as variables
-    (e.g. Qwen3's ``enable_thinking``); none may stand for one of apply_chat_template's own arguments."""
-    if add_generation_prompt and continue_final_message:
-        raise APIError(400, "continue_final_message continues the last message: it needs add_generation_prompt "
-                            "false", param="continue_final_message")
-    reserved = sorted(set(template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-    conversation = [m.for_template() for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools or None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, tokenize=False,
-                                             **(template_kwargs or {}))
-    except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
-        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
 def _sampling_params(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                      ) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
-    except ValueError as e:
-        message = str(e)
-        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+    except InvalidRequestError as e:
+        param = _grammar_param(body) if e.param == "structured_outputs" else e.param
+        raise APIError(400, str(e), param=param) from None
+
+
+def _grammar_param(body: OpenAIRequest) -> str:
+    """The request field a grammar came from: vLLM's structured_outputs, OpenAI's response_format, or the tools."""
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    return "response_format" if body.response_format is not None else "tools"
+
+
+def _best_samples(states: list[RequestState], num_samples: int, keep: int) -> list[RequestState]:
+    """Of each prompt's ``num_samples`` samples (``states`` in index order), the ``keep`` with the highest mean
+    token logprob (OpenAI's best_of), numbered as the answer's choices."""
+    best = []
+    for first in range(0, len(states), num_samples):
+        group = sorted(states[first : first + num_samples],
+                       key=lambda s: -(s.cumulative_logprob or 0.0) / max(1, len(s.token_ids)))
+        prompt_index = first // num_samples
+        best += [dataclasses.replace(s, index=prompt_index * keep + j) for j, s in enumerate(group[:keep])]
+    return best

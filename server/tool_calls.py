@@ -24,6 +24,7 @@ import re
 import uuid
 from typing import Protocol
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
@@ -262,25 +263,26 @@ class ToolPlan:
 
 def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool,
                parser: str | None) -> ToolPlan:
-    """Raise ValueError whose message opens with the field at fault; ``parser`` is the server's
+    """Raise InvalidRequestError naming the field at fault; ``parser`` is the server's
     ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on, else None."""
     tools = tools or []
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
-        raise ValueError("tools must have distinct function names")
+        raise InvalidRequestError("tools must have distinct function names", "tools")
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if not tools and tool_choice != "none":
-        raise ValueError("tool_choice needs tools")
+        raise InvalidRequestError("tool_choice needs tools", "tool_choice")
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         if name not in names:
-            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+            raise InvalidRequestError(f"tool_choice names function {name!r}, which is not among the tools",
+                                      "tool_choice")
         return ToolPlan("named", tuple(tools), name, parallel)
     if tool_choice == "auto" and parser is None:
-        raise ValueError('tool_choice "auto" (the default when tools are given) needs the server started with '
-                         '--enable-auto-tool-choice --tool-call-parser; pass tool_choice "required", "none" or a '
-                         "named function")
+        raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server started '
+                                  'with --enable-auto-tool-choice --tool-call-parser; pass tool_choice "required", '
+                                  '"none" or a named function', "tool_choice")
     return ToolPlan(tool_choice, tuple(tools), None, parallel, parser if tool_choice == "auto" else None)
 
 

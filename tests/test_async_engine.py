@@ -10,10 +10,12 @@ from engine.engine_core import EngineStats
 from engine.limits import EngineLimits
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
-from server.async_engine import AsyncEngine, Choice, RequestRejectedError
+from server import async_engine
+from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.engine_client import EngineClient
-from server.messages import AbortRequests, AddRequest, EngineInfo, StepOutputs
+from server.messages import AbortRequests, AddRequest, EngineFailed, EngineInfo, StepOutputs
 from server.metrics import Metrics
+from server.protocol import APIError
 
 LIMITS = EngineLimits(max_model_len=64, vocab_size=100, block_size=16, num_blocks=8)
 STATS = EngineStats(0, 0, 0.0, 8, 8, 0)
@@ -62,3 +64,113 @@ def test_an_output_with_an_error_fails_its_request_and_aborts_its_siblings(smoll
     abort = client.sent[-1]
     assert isinstance(abort, AbortRequests) and "r-1" in abort.request_ids  # (r-0's id is one the engine ignores)
     assert engine.num_in_flight == 0
+
+
+class DyingClient(ScriptedClient):
+    """An engine that dies on demand and whose next starts fail ``failures`` times; it hangs (no outputs) until
+    then, as a stalled engine does."""
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__({})
+        self.failures = failures
+        self.starts = 0
+        self.killed = 0
+
+    async def start(self) -> EngineInfo:
+        self.starts += 1
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("engine failed to start: no memory\ntraceback...")
+        return self.info
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+    def die(self, reason: str = "engine process was killed by SIGKILL") -> None:
+        self.handler(EngineFailed(reason))
+
+    def kill(self) -> bool:
+        self.killed += 1
+        asyncio.get_running_loop().call_soon(self.die, "engine process was killed by SIGKILL")
+        return True
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(async_engine, "FIRST_BACKOFF_S", 0.01)
+    monkeypatch.setattr(async_engine, "WATCHDOG_INTERVAL_S", 0.01)
+
+
+def test_a_dead_engine_fails_its_requests_and_is_replaced_with_back_off(smollm2_tokenizer, fast_backoff, monkeypatch):
+    monkeypatch.setattr(async_engine, "STABLE_AFTER_S", 3600.0)  # every death is "soon after the last restart"
+    client = DyingClient()
+    engine = AsyncEngine(client, smollm2_tokenizer, Metrics("m"))
+    delays = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+        await real_sleep(0)
+
+    async def scenario() -> None:
+        monkeypatch.setattr(async_engine.asyncio, "sleep", sleep)
+        choice = Choice("r-0", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+
+        async def consume() -> None:
+            async for _ in engine.generate([choice]):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await real_sleep(0)
+        client.die()
+        with pytest.raises(EngineDeadError, match="killed by SIGKILL; the request was lost"):
+            await task
+        with pytest.raises(APIError) as refused:  # while the new engine starts
+            engine.check_serving()
+        assert refused.value.status == 503 and refused.value.headers["Retry-After"]
+        assert engine.health_problem().endswith("a new engine is starting, retry shortly")
+        for _ in range(3):
+            await real_sleep(0.01)
+            assert engine.dead_reason is None and engine.num_in_flight == 0
+            client.die()
+        await real_sleep(0.01)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert delays == [0.0, 0.01, 0.02, 0.04]  # at once, then doubling while deaths follow restarts closely
+    assert client.starts == 4 and engine.metrics.num_restarts == 4
+    assert engine.metrics.engine_deaths._value.get() == 4
+
+
+def test_an_engine_that_cannot_be_started_again_is_fatal(smollm2_tokenizer, fast_backoff):
+    client = DyingClient(failures=async_engine.MAX_START_ATTEMPTS)
+    fatal = []
+    engine = AsyncEngine(client, smollm2_tokenizer, Metrics("m"), on_fatal=fatal.append)
+
+    async def scenario() -> None:
+        client.die()
+        await asyncio.sleep(0.5)
+
+    asyncio.run(scenario())
+    assert client.starts == async_engine.MAX_START_ATTEMPTS
+    assert fatal == [engine.fatal_reason] and "no memory" in fatal[0] and "5 attempts" in fatal[0]
+    assert engine.health_problem() == engine.fatal_reason
+
+
+def test_an_engine_that_stalls_with_work_in_flight_is_killed_and_replaced(smollm2_tokenizer, fast_backoff):
+    client = DyingClient()
+    engine = AsyncEngine(client, smollm2_tokenizer, Metrics("m"), stall_timeout=0.05)
+
+    async def scenario() -> None:
+        engine.start_watchdog()
+        await asyncio.sleep(0.1)
+        assert client.killed == 0  # idle is not stalled
+        with pytest.raises(EngineDeadError, match="no progress"):
+            async for _ in engine.generate([Choice("r-0", [1, 2, 3], SamplingParams(max_tokens=4), 0)]):
+                pass
+        await asyncio.sleep(0.05)
+        assert engine.dead_reason is None
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert client.killed == 1 and client.starts == 1

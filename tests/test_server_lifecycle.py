@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -64,24 +65,54 @@ async def test_api_key_admission_limit_and_sigterm_drain():
         server.stop()
 
 
-def test_dead_engine_turns_health_503_and_fails_fast():
-    server = ServerProcess("--max-model-len", "256")
+def wait_served(url: str, timeout: float) -> float:
+    """Seconds until a completion is answered 200 again; every answer before it must be a fast 503."""
+    start = time.monotonic()
+    while True:
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=10)
+        if r.status_code == 200:
+            return time.monotonic() - start
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+        assert r.headers["retry-after"]
+        assert time.monotonic() - start < timeout, f"not serving {timeout:.0f} s after the engine died"
+        time.sleep(0.2)
+
+
+def test_a_killed_engine_is_replaced_and_repeated_deaths_back_off():
+    """SIGKILL the engine (what the OOM killer does): /health turns 503 and new requests get a 503 at once while a
+    new engine starts; completions are answered again well within 90 s. A second death soon after waits out a
+    back-off; both are counted."""
+    server = ServerProcess("--max-model-len", "256", "--log-level", "info")
     try:
         url = server.base_url
-        assert httpx.get(f"{url}/health").status_code == 200
-        os.kill(server.engine_pid(), signal.SIGKILL)
+        first = server.engine_pid()
+        os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{url}/health").status_code == 200:
-            assert time.monotonic() < deadline, "/health still 200 after the engine died"
-            time.sleep(0.1)
-        health = httpx.get(f"{url}/health")
-        assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
-        start = time.monotonic()
-        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=10)
-        assert r.status_code == 503 and time.monotonic() - start < 2
-        assert r.json()["error"]["type"] == "service_unavailable"
+            assert time.monotonic() - deadline < 0, "/health still 200 after the engine died"
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health").json()["error"]["message"]
+        assert "SIGKILL" in health and "new engine is starting" in health
+        assert wait_served(url, 90) < 90
+        second = server.engine_pid()
+        assert second != first
+        os.kill(second, signal.SIGKILL)  # within a minute of its start: the next start backs off
+        assert wait_served(url, 90) < 90
+        m = server.metrics()
+        assert m["harpoon:engine_deaths_total"] == 2 and m["harpoon:engine_restarts_total"] == 2
+        assert m["harpoon:engine_up"] == 1
+        log = server.log.read_text()
+        assert "starting a new engine in 0 s" in log and "starting a new engine in 1 s" in log
     finally:
         server.stop()
+
+
+def test_an_engine_that_cannot_start_exits_the_server_non_zero_with_the_reason():
+    with pytest.raises(RuntimeError) as info:
+        ServerProcess("--max-model-len", "100000")
+    message = str(info.value)
+    assert "exited with 1" in message and "the engine could not start" in message
+    assert "exceeds what the model supports" in message
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -99,9 +130,13 @@ def test_engine_death_mid_request_fails_the_request(stream):
 
         r = asyncio.run(run())
         if stream:
-            assert r.status_code == 200 and '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            error = json.loads(r.text.split("data: ")[-2])["error"]
         else:
-            assert r.status_code == 503
+            assert r.status_code == 503 and r.headers["retry-after"]
+            error = r.json()["error"]
+        assert error["type"] == "service_unavailable" and "the request was lost, retry it" in error["message"]
+        assert wait_served(server.base_url, 90) < 90  # and the server goes on
     finally:
         server.stop()
 

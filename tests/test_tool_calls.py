@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.protocol import ChatMessage
-from server.serving import render_chat
+from server.prompts import render_chat
 from server.tool_calls import (
     HermesCallsReader,
     Llama3JsonCallsReader,
