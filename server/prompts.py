@@ -5,7 +5,8 @@ process to 21 GB and the OOM killer), so both are bounded before they start and 
 - a prompt of more characters than ``max_model_len`` tokens can hold is refused unread. No token of the vocabulary
   spells more than ``longest_token_chars`` characters, so such a text has more tokens than the context;
 - what remains is tokenized on the worker (the tokenizer releases the GIL, so streams keep flowing), one request
-  at a time, so at most one text of at most ``max_chars`` characters is being tokenized at any moment;
+  at a time, so at most one text of at most ``max_chars`` characters is being tokenized at any moment; a long
+  prompt's first ``8 x max_model_len`` characters go first, and a prefix already over the context refuses it;
 - token-id prompts longer than the context are refused before their entries are looked at.
 """
 
@@ -24,6 +25,9 @@ from server.protocol import APIError, ChatMessage, CompletionRequest
 
 # apply_chat_template's own parameters: chat_template_kwargs may not reach them
 _TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+# A text longer than this many characters per context token is first tokenized in part (encode_prompt); a cut
+# prefix can tokenize to a few more tokens than the same span of the whole, hence the margin.
+PROBE_CHARS_PER_TOKEN, PROBE_MARGIN_TOKENS = 8, 64
 T = TypeVar("T")
 CheckChars = Callable[[int, str], None]  # (number of characters, the request field they are in) -> raise if too many
 
@@ -71,6 +75,21 @@ class PromptBuilder:
         self.check_chars(len(text), param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    async def encode_prompt(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids, refused (400) if they cannot fit the context. A long text is first tokenized in
+        part: a prefix holding far more tokens than the context is enough to refuse it (the whole has at least
+        those, but for the last word the cut may split), at a fraction of the whole's cost."""
+        self.check_chars(len(text), param)
+        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > probe:
+            head = await self._run(self.tokenizer.encode, text[:probe], add_special_tokens=add_special_tokens)
+            if len(head) >= self.max_model_len + PROBE_MARGIN_TOKENS:
+                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
+                                    f"{param} has more than {len(head) - PROBE_MARGIN_TOKENS} in its first {probe} "
+                                    "characters alone", param=param)
+        ids = await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return self.check_token_ids(ids, param)
+
     async def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
         p = body.prompt
         if isinstance(p, str):
@@ -86,8 +105,8 @@ class PromptBuilder:
                 self.check_chars(len(item), "prompt")
             else:
                 self.check_token_ids(item, "prompt")
-        return [Prompt(item, self.check_token_ids(await self.encode(item), "prompt")) if isinstance(item, str)
-                else Prompt(None, list(item)) for item in items]
+        return [Prompt(item, await self.encode_prompt(item)) if isinstance(item, str) else Prompt(None, list(item))
+                for item in items]
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, template_kwargs: dict[str, object] | None = None,

@@ -44,7 +44,8 @@ async def test_api_key_admission_limit_and_sigterm_drain():
         async with httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as http:
             # 2 running + 1 waiting fit; a fourth is turned away with 429 and Retry-After. It is sent once the
             # engine reports all three admitted, while they have most of their tokens still to go.
-            in_flight = [asyncio.create_task(http.post("/v1/completions", json=LONG)) for _ in range(3)]
+            bodies = [LONG, LONG, {**LONG, "stream": True}]  # a drain sends a stream to its end too
+            in_flight = [asyncio.create_task(http.post("/v1/completions", json=body)) for body in bodies]
             await until_engine_reports(http, running=2, waiting=1)
             r = await http.post("/v1/completions", json=LONG)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -57,7 +58,9 @@ async def test_api_key_admission_limit_and_sigterm_drain():
             assert r.status_code == 503
             done = await asyncio.gather(*in_flight)
         assert [d.status_code for d in done] == [200, 200, 200]
-        assert all(d.json()["usage"]["completion_tokens"] == LONG["max_tokens"] for d in done)
+        assert all(d.json()["usage"]["completion_tokens"] == LONG["max_tokens"] for d in done[:2])
+        events = done[2].text.split("\n\n")
+        assert events[-2] == "data: [DONE]" and len(events) - 2 == LONG["max_tokens"]
         assert server.proc.wait(30) == 0
         # Both processes, the server's and the engine's, froze their start-up heaps once ready.
         assert server.log.read_text().count("objects kept out of garbage collection") == 2

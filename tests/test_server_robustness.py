@@ -125,6 +125,7 @@ BAD_BODIES = [  # (path, raw JSON body, status, param)
     ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_schema"}}), 400,
      "response_format"),
     ("/v1/completions", json.dumps({"prompt": "a " * 1_000_000}), 400, "prompt"),  # cannot fit: refused unread
+    ("/v1/completions", json.dumps({"prompt": "a " * 330_000}), 400, "prompt"),  # its prefix is already too long
     ("/v1/completions", json.dumps({"prompt": list(range(10_000))}), 400, "prompt"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "a " * 1_000_000}]}),
      400, "messages"),

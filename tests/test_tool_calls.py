@@ -9,8 +9,8 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.protocol import ChatMessage
 from server.prompts import render_chat
+from server.protocol import ChatMessage
 from server.tool_calls import (
     HermesCallsReader,
     Llama3JsonCallsReader,
