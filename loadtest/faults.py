@@ -164,12 +164,18 @@ def time_to_serve(url: str, since: float, timeout: float = 300) -> float:
     return float("inf")
 
 
-def inject(server: Server, name: str, act) -> dict:  # noqa: ANN001 (act: the fault, given the server)
-    streams = [Stream(server.url, max_tokens=400) for _ in range(4)]
+def streams_under_way(url: str, count: int, max_tokens: int) -> list[Stream]:
+    """``count`` streams, each once its first token arrived."""
+    streams = [Stream(url, max_tokens=max_tokens) for _ in range(count)]
     for s in streams:
         s.start()
     for s in streams:
         s.started.wait(60)
+    return streams
+
+
+def inject(server: Server, name: str, act) -> dict:  # noqa: ANN001 (act: the fault, given the server)
+    streams = streams_under_way(server.url, 4, max_tokens=400)
     start = time.monotonic()
     act(server)
     for s in streams:
@@ -198,11 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                    lambda s: os.kill(s.engine_pid(), signal.SIGSTOP)),
         ]
         rss = server.peak_rss_mib()
-        streams = [Stream(server.url, max_tokens=200) for _ in range(4)]
-        for s in streams:
-            s.start()
-        for s in streams:
-            s.started.wait(60)
+        streams = streams_under_way(server.url, 4, max_tokens=200)
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(120)
