@@ -1,19 +1,25 @@
-"""Harpoon's engine: paged KV cache, continuous batching scheduler, model runner and sampler."""
+"""Harpoon's engine: paged KV cache, continuous batching scheduler, model runner and sampler.
 
-import os
-import sys
+The public names are loaded on first use, so that importing a light module of the package (``engine.messages``,
+``engine.sampling_params``) does not load the model code and its kernels.
+"""
 
-# NOTE: OpenMP reads this once, when torch loads; see engine/models/linear.py for why it matters (5x on decode
-# GEMMs). If torch was loaded first without it, linear.py keeps to torch's own BLAS instead.
-# GOMP_SPINCOUNT: with PASSIVE alone an idle OpenMP thread sleeps at once, and waking it for each of a decode
-# step's ~330 parallel kernels cost ~2-3 ms of a 27 ms step at batch 1 (measured, SmolLM2-135M, 2 cores); spinning
-# ~10k iterations (tens of microseconds) bridges the gaps between kernels and still frees the core between steps.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from __future__ import annotations
 
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

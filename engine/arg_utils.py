@@ -1,7 +1,5 @@
-"""The ``harpoon`` command: ``serve``, ``generate`` and ``bench {offline,serve}``.
-
-Engine options are the fields of ``EngineConfig`` as ``--kebab-case`` flags, so the CLI and ``LLM(**kwargs)`` share
-one vocabulary.
+"""Engine options on a command line: the fields of ``EngineConfig`` as ``--kebab-case`` flags, so ``harpoon serve``,
+``harpoon generate``, the benchmarks and ``LLM(**kwargs)`` share one vocabulary.
 """
 
 from __future__ import annotations
@@ -9,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 
 from engine.config import EngineConfig
 
@@ -113,54 +110,3 @@ def parse_engine_args(flags: list[str]) -> dict:
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(parser)
     return engine_args_from(parser.parse_args(flags), parser)
-
-
-def _generate(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="harpoon generate", description="Complete one prompt and print it.")
-    parser.add_argument("prompt")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    add_engine_arguments(parser)
-    args = parser.parse_args(argv)
-    engine_args = engine_args_from(args, parser)
-    from engine import LLM, SamplingParams
-
-    llm = LLM(args.model, **engine_args)
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
-        )
-    out = llm.generate([prompt], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))[0]
-    print((args.prompt if not args.chat else "") + out.outputs[0].text)
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = "serve | generate | bench offline | bench serve"
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: harpoon {{{commands}}} [options]; add --help after a command for its options")
-        return
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from server.cli import main as serve
-
-        serve(rest)
-    elif command == "generate":
-        _generate(rest)
-    elif command == "bench" and rest[:1] == ["offline"]:
-        from loadtest.offline import main as offline
-
-        offline(rest[1:])
-    elif command == "bench" and rest[:1] == ["serve"]:
-        from loadtest.serve import main as serve_bench
-
-        serve_bench(rest[1:])
-    else:
-        sys.exit(f"harpoon: unknown command {' '.join(argv[:2])!r}; expected one of: {commands}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache for one flattened batch, and the metadata that describes that batch.
+"""Attention over the paged KV cache for one flattened batch, the metadata that describes that batch, and the
+plain-torch attention every backend's is checked against (``engine/backends`` holds the others).
 
     flattened batch (num_tokens = 1 + 1 + 5):   [ d0 | d1 | p2 p2 p2 p2 p2 ]
     query_start_loc:                            [0,   1,   2,            7]
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
+from kernels import cdiv
 
 
 @dataclass
@@ -123,7 +124,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         block_size = k_cache.shape[1]
         max_len = int(seq_lens.max())
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         table = block_tables[:, :num_blocks].long()
         # [nd, num_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
         keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
@@ -158,7 +159,7 @@ class TorchAttention:
             keys, values, mask = as_stored(k, k_cache), as_stored(v, v_cache), None
         else:
             block_size = k_cache.shape[1]
-            table = block_table[: -(-seq_len // block_size)].long()
+            table = block_table[: cdiv(seq_len, block_size)].long()
             keys = k_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
             values = v_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)
             # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
@@ -191,70 +192,3 @@ def store_kv(
 ) -> None:
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-class CpuAttention(TorchAttention):
-    """fp32 on a CPU: the C kernels of ``kernels/cpu`` store K/V and attend the decodes straight from the pages
-    (no per-layer gather); prefill chunks keep torch's flash attention, which is faster for long queries."""
-
-    def store(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
-
-    def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
-    ) -> None:
-        nd = q.shape[0]
-        cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out
-        )
-
-
-class TritonAttention(TorchAttention):
-    """Paged attention through the Triton kernels in ``kernels/``: K/V stored by slot, decodes by the split-KV
-    decode kernel, prefill chunks by the varlen prefill kernel; nothing is gathered into contiguous tensors.
-
-    The default on CUDA; on a CPU it runs only under the Triton interpreter (tests)."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        from kernels.decode_attention import decode_attention
-        from kernels.prefill_attention import prefill_attention
-        from kernels.store_kv import store_kv as triton_store_kv
-
-        self._decode_kernel, self._prefill_kernel = decode_attention, prefill_attention
-        self.store = triton_store_kv
-
-    def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
-    ) -> None:
-        nd = q.shape[0]
-        self._decode_kernel(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out)
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        """All prefill chunks in one varlen launch, straight from the pages (k and v are already stored)."""
-        nd = meta.num_decodes
-        first = meta.query_start_loc_cpu[nd]
-        qsl = meta.query_start_loc[nd:] - first
-        self._prefill_kernel(q[first:], k_cache, v_cache, meta.block_tables[nd:], qsl, meta.seq_lens[nd:],
-                             meta.max_query_len, self.scale, out=out[first:])
-
-
-def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
-    if backend == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
-    if backend == "triton":
-        return TritonAttention(num_heads, num_kv_heads, head_dim, scale)
-    if backend == "cpu":
-        return CpuAttention(num_heads, num_kv_heads, head_dim, scale)
-    raise ValueError(f"unknown attention backend {backend!r}")

@@ -22,12 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.request import Request
+from kernels import cdiv
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

@@ -12,30 +12,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels import cpu as cpu_kernels
-
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
-DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
-# The CPU's step token budget, sized at start-up (EngineCore._size_token_budget). With 64 streams decoding beside
-# prefill chunks, the 99th percentile gap between two tokens ran 1.3-1.4x the step's time; steps of ~0.6 s keep it
-# under 1 s while a step stays big enough for throughput (384 tokens at 1.55 ms a token). With the per-decode cap
-# below, the whole budget is reached by steps with nothing to decode (a burst) or with ~a quarter of it decoding.
-CPU_STEP_TARGET_S = 0.6
-MIN_CPU_TOKEN_BUDGET, MAX_CPU_TOKEN_BUDGET = 128, 1024
-# Prompt tokens a CPU step may carry per decode in it, a waiting request counting as one (Scheduler.prefill_budget).
-# A prompt arriving beside running streams then enters in pieces that lengthen their steps by a bounded fraction,
-# instead of one ~0.6 s step that stalls all of them: measured at 16 / 64 clients, the 99th percentile inter-token
-# gap fell 4-5x / 1.4x and TTFT p50 halved for everything after the first burst (docs/benchmarks.md). 2 with the
-# waiting requests counted (3 without, before): the 16-client gap p99 ~25% lower, the same 64-client TTFT p50, a
-# burst's TTFT p99 10-15% lower. GPU steps are launch-bound, so a GPU keeps the whole budget.
-DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE = 2.0
-
-
-def cpu_token_budget(seconds_per_token: float, block_size: int = 16) -> int:
-    """The most tokens a step of about CPU_STEP_TARGET_S holds, in whole blocks, within the bounds above."""
-    budget = int(CPU_STEP_TARGET_S / seconds_per_token) // block_size * block_size
-    return max(MIN_CPU_TOKEN_BUDGET, min(MAX_CPU_TOKEN_BUDGET, budget))
-
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -46,7 +22,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     # NOTE: 2, not 1: a single repeated token is a poor guess. On chat prompts, one stream, min 1 and 2 sped up alike
-    # (1.43x, 1.45x), but with 2 70% of the drafts held against 36% (python -m loadtest.spec_decode), and every
+    # (1.43x, 1.45x), but with 2 70% of the drafts held against 36% (python -m loadtest.lab.spec_decode), and every
     # rejected draft is a wasted row once a step is compute-bound.
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = 4
@@ -107,7 +83,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    # On CUDA, steps of up to engine.cuda_graphs.MAX_NUM_TOKENS tokens replay captured graphs unless this is set.
+    # On CUDA, small steps replay graphs captured at start-up (engine/backends/cuda_graphs.py) unless this is set.
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
@@ -166,25 +142,3 @@ class EngineConfig:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 or bfloat16 model, got {dtype}")
         return torch.bfloat16
-
-    def resolve_attention_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        if device.type == "cuda":
-            return "triton"
-        return "cpu" if dtype == torch.float32 and cpu_kernels.available() else "torch"
-
-    def resolve_prefill_tokens_per_decode(self, device: torch.device) -> float | None:
-        if self.prefill_tokens_per_decode is None:
-            return DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE if device.type == "cpu" else None
-        return self.prefill_tokens_per_decode or None
-
-    def resolve_max_num_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        # NOTE: on a CPU this is where the engine starts: it then times a few prefill steps and resizes the budget
-        # to the machine (EngineCore._size_token_budget). On the 2-core development CPUs a step past ~16 tokens costs
-        # 1.5-4 ms per token for the 135M default model (instances measured 70-160 GFLOP/s of matmul), so a fixed
-        # 512 let steps reach 2.5 s on the slower instances while 384 paid off on the faster ones. Larger budgets
-        # only pay off where steps are cheap (GPUs).
-        return 256 if device.type == "cpu" else max(8192, min(max_model_len, 16384))

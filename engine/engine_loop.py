@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from server.gc_heap import freeze_startup_heap
-from server.messages import (
+from engine.gc_heap import freeze_startup_heap
+from engine.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,

@@ -43,19 +43,6 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def resolve_budget(
-    kv_cache_memory: int | float | None, device: torch.device, default_bytes: int, default_fraction: float
-) -> int:
-    """``kv_cache_memory`` is bytes (int) or a fraction (float) of what is free now; ``None`` picks a default."""
-    if kv_cache_memory is None:
-        if device.type == "cuda":
-            return int(available_memory(device) * default_fraction)
-        return min(default_bytes, available_memory(device) // 2)
-    if isinstance(kv_cache_memory, float):
-        return int(available_memory(device) * kv_cache_memory)
-    return int(kv_cache_memory)
-
-
 class KVCache:
     """Holds the pools. Zero-initialised so that slots never written hold finite values (masked reads stay finite)."""
 

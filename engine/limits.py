@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_manager import cdiv
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from kernels import cdiv
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,12 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.inputs import PromptType, as_prompt_list, fan_out
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int]
-
 
 class LLM:
     """Runs many prompts to completion with continuous batching. Engine options are keyword arguments named as
@@ -30,7 +28,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -47,12 +45,10 @@ class LLM:
                 result = RequestOutput(str(self._next_id), prompt if isinstance(prompt, str) else None, token_ids, None)
                 self._next_id += 1
                 results.append(result)
-                for index in range(params.n):
-                    child_id = f"{result.request_id}-{index}"
-                    child_params = params.for_sample(index)
-                    self.engine.add_request(child_id, token_ids, child_params)
-                    processor.add_request(child_id, index, token_ids, child_params)
-                    children[child_id] = (result, index)
+                for sample in fan_out(result.request_id, 1, params):
+                    self.engine.add_request(sample.request_id, token_ids, sample.params)
+                    processor.add_request(sample.request_id, sample.index, token_ids, sample.params)
+                    children[sample.request_id] = (result, sample.index)
             self._run(processor)
         except BaseException:
             self.engine.abort_requests(list(children))
@@ -76,13 +72,4 @@ class LLM:
                 _, stopped_by_string = processor.process(output)
                 if stopped_by_string:
                     self.engine.abort_requests([output.request_id])
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
 

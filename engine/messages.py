@@ -1,12 +1,13 @@
-"""Typed messages between the server and the engine core's loop (pickled across the process boundary)."""
+"""Typed messages between the server and the engine core's loop (pickled across the process boundary).
+
+Light on purpose: the API process imports this module, and with it neither the model nor the kernels."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.engine_core import EngineStats
 from engine.limits import EngineLimits
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, EngineStats
 from engine.sampling_params import SamplingParams
 
 

@@ -6,30 +6,22 @@ changes request state, so the scheduler stays the single owner of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import CudaGraphs
+from engine.backends.base import TorchBackend
+from engine.block_table import BlockTables
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import Logprob, PositionLogprobs
+from engine.outputs import Logprob, ModelRunnerOutput, PositionLogprobs
 from engine.request import Request
 from engine.sampler import Sampler, TopLogprobs, top_logprobs
 from engine.sampling_metadata import SamplingMetadata
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import accepted_tokens
-
-
-@dataclass
-class ModelRunnerOutput:
-    # The new tokens of every request that reached the end of its known tokens: one, or several where a draft
-    # was verified (engine/spec_decode.py).
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    # Logprobs of prompt tokens scored this step (chunk by chunk), in prompt order.
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+from kernels import cdiv
 
 
 @dataclass
@@ -47,20 +39,22 @@ class _PromptScoring:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, vocab_size: int,
-                 graphs: CudaGraphs | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TorchBackend, vocab_size: int,
+                 max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.device = device
+        # NOTE: + 1: a verify step's drafts may reach one block past the context's last (never read as context).
+        self.block_tables = BlockTables(max_num_seqs, cdiv(max_model_len, kv_cache.spec.block_size) + 1)
+        self.backend = backend  # runs the step's forward, and greedy heads where it has one
+        self.device = backend.device
         self.vocab_size = vocab_size
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
-        self.graphs = graphs  # replays the steps that fit; the others run eagerly
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Single-token queries first: the attention backend batches them together.
-        requests = sorted(sched.scheduled_requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        self.block_tables.update(sched.finished_request_ids, sched.new_block_ids)
+        requests = sched.scheduled_requests  # single-token queries first: the attention batches them together
         input_ids, positions, qsl, seq_lens = [], [], [0], []
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -82,14 +76,10 @@ class ModelRunner:
                 scorings.append(scoring)
             qsl.append(qsl[-1] + end - start)
             seq_lens.append(end)
-        meta = self._attention_metadata(requests, sched, positions, qsl, seq_lens)  # on the host
+        meta = self._attention_metadata(requests, positions, qsl, seq_lens)  # on the host
         ids = torch.tensor(input_ids, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
-        if self.graphs is not None and self.graphs.fits(meta):
-            hidden = self.graphs.run(ids, pos, meta)
-        else:
-            dev = self.device
-            hidden = self.model(ids.to(dev), pos.to(dev), self.kv_cache.layers, meta.to(dev))  # [num_tokens, hidden]
+        hidden = self.backend.forward(self.model, ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
         out = ModelRunnerOutput()
         prompt_rows = [row for s in scorings for row in s.rows]
         verify_rows = [v.first_row + i for v in verifications for i in range(len(v.draft_ids) + 1)]
@@ -99,7 +89,7 @@ class ModelRunner:
         sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device) if sampled else None
         num_sampled, num_greedy = len(sampled), len(sampled) + len(verify_rows)
         if (sampling is None or sampling.plain_greedy) and not scorings:
-            token_ids = self.model.greedy_tokens(rows)  # the argmax without the full logits, where it can
+            token_ids = self.backend.greedy_tokens(rows)  # the argmax without the full logits, where it can
             if token_ids is not None:
                 ids = token_ids.tolist()
                 out.sampled_token_ids = {r.request_id: [t] for r, t in zip(sampled, ids, strict=False)}
@@ -146,11 +136,9 @@ class ModelRunner:
             row += len(s.rows)
 
     def _attention_metadata(
-        self, requests: list[Request], sched: SchedulerOutput, positions: list[int], qsl: list[int], seq_lens: list[int]
+        self, requests: list[Request], positions: list[int], qsl: list[int], seq_lens: list[int]
     ) -> AttentionMetadata:
-        tables = [sched.block_tables[r.request_id] for r in requests]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        block_tables = self.block_tables.gather([r.request_id for r in requests])
         query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(requests))])
         pos = torch.tensor(positions, dtype=torch.int64)
         req_of_token = torch.repeat_interleave(torch.arange(len(requests)), query_lens)

@@ -16,6 +16,33 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, cumulative
+    spec_accepted_tokens: int = 0  # of those, drafts kept
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed, per request id (the scheduler turns it into request state and core outputs)."""
+
+    # The new tokens of every request that reached the end of its known tokens: one, or several where a draft
+    # was verified (engine/spec_decode.py).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # Logprobs of prompt tokens scored this step (chunk by chunk), in prompt order.
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+
 @dataclass
 class EngineCoreOutput:
     """What one step produced for one request: new tokens since the previous output, and how it ended, if it did."""

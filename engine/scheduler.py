@@ -14,18 +14,29 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PositionLogprobs
 from engine.request import Request, RequestStatus
+from engine.spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan: the requests to run, in batch order, and how many new tokens each computes."""
+    """One step's plan: the requests to run and how many new tokens each computes, and what changed in the block
+    tables since the previous plan (the runner keeps the tables between steps).
+
+    Batch order: requests with one query token (decodes) first, then prompt chunks and draft verifications;
+    arrival order within each.
+    """
 
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
-    block_tables: dict[str, list[int]] = field(default_factory=dict)  # every scheduled request's block ids
+    # Per scheduled request, the block ids added to its table since the runner last saw it: the whole table for a
+    # request the runner does not hold (new, or back after preemption), else the blocks allocated since.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that left since the previous plan (finished, aborted, preempted): the runner drops their tables.
+    finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Drafts to verify, per decoding request that has them: its scheduled tokens are its last token plus these.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -56,8 +67,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_tokens_per_decode: float | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
+        """``proposer``: drafts the running requests' next tokens after each step (speculative decoding)."""
         self.block_manager = block_manager
+        self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_tokens_per_decode = prefill_tokens_per_decode
@@ -67,13 +81,15 @@ class Scheduler:
         self._arrival_index: dict[str, int] = {}
         self._next_index = 0
         self.num_preemptions = 0
+        self._num_sent_blocks: dict[str, int] = {}  # per request the runner holds, the table entries it was sent
+        self._gone: list[str] = []  # requests the runner held that left since the last plan
         self.num_draft_tokens = 0  # speculative decoding: drafts verified so far, and how many of them were kept
         self.num_accepted_tokens = 0
 
     # ---- queue management ----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue ``request``; its id must be new (``EngineCore.add_request`` refuses a duplicate to the user)."""
+        assert request.request_id not in self.requests, f"request id {request.request_id!r} is already in use"
         self.requests[request.request_id] = request
         self._arrival_index[request.request_id] = self._next_index
         self._next_index += 1
@@ -108,13 +124,19 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request)
+        self._forget_table(request)
         del self.requests[request.request_id]
         del self._arrival_index[request.request_id]
 
+    def _forget_table(self, request: Request) -> None:
+        """Free ``request``'s blocks; the runner learns with the next plan that its table is gone."""
+        self.block_manager.free(request)
+        if self._num_sent_blocks.pop(request.request_id, None) is not None:
+            self._gone.append(request.request_id)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request)
+        self._forget_table(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -210,10 +232,20 @@ class Scheduler:
             budget -= num_new
             prefill_budget -= num_new
 
-        scheduled = [r for r in self.running if r.request_id in num_scheduled]
-        tables = {r.request_id: self.block_manager.get_block_ids(r.request_id) for r in scheduled}
+        scheduled = sorted((r for r in self.running if r.request_id in num_scheduled),
+                           key=lambda r: num_scheduled[r.request_id] != 1)  # batch order (stable: arrival order)
         drafts = {rid: d for rid, d in drafts.items() if rid in num_scheduled}  # minus those preempted since
-        return SchedulerOutput(scheduled, num_scheduled, tables, preempted, drafts)
+        finished, self._gone = self._gone, []
+        return SchedulerOutput(scheduled, num_scheduled, self._new_block_ids(scheduled), finished, preempted, drafts)
+
+    def _new_block_ids(self, scheduled: list[Request]) -> dict[str, list[int]]:
+        """What each scheduled request's table gained since it was last sent (tables only ever grow, or go)."""
+        new = {}
+        for request in scheduled:
+            table = self.block_manager.get_block_ids(request.request_id)
+            new[request.request_id] = table[self._num_sent_blocks.get(request.request_id, 0) :]
+            self._num_sent_blocks[request.request_id] = len(table)
+        return new
 
     def _pending_block_hashes(self) -> set[int]:
         """Hashes of the full prompt blocks that running requests are still prefilling."""
@@ -226,33 +258,43 @@ class Scheduler:
         hashes = request.update_block_hashes(size)
         return hashes[request.num_computed_tokens // size : request.num_prompt_tokens // size]
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        """Advance the scheduled requests by what was computed, append the new tokens (several where drafts were
-        accepted; none for a prefill chunk short of the prompt's end), and finish the requests that hit a stop
-        condition, dropping any tokens after it. Returns the requests finished by this step."""
-        finished: list[Request] = []
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance the scheduled requests by what the step computed: record prompt logprobs, append the new tokens
+        (several where drafts were accepted; none for a prefill chunk short of the prompt's end), finish the requests
+        that hit a stop condition (dropping any tokens after it), propose the next drafts; return what each request
+        that reached its last token produced."""
+        outputs: list[EngineCoreOutput] = []
         for request in output.scheduled_requests:
-            token_ids = sampled_token_ids.get(request.request_id, [])
-            num_drafts = len(output.spec_token_ids.get(request.request_id, ()))
+            request_id = request.request_id
+            entries = result.prompt_logprobs.get(request_id)
+            if entries:
+                request.prompt_logprobs.extend(entries)
+                request.num_prompt_logprobs_done += len(entries)
+            token_ids = result.sampled_token_ids.get(request_id)
+            num_before = request.num_output_tokens
+            num_drafts = len(output.spec_token_ids.get(request_id, ()))
             if num_drafts:
                 self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += len(token_ids) - 1
             status = None
-            for token_id in token_ids:
+            for token_id in token_ids or ():
                 request.append_output_token(token_id)
                 status = self._stop_status(request, token_id)
                 if status is not None:
                     break
             # The rejected drafts' K/V (written past the accepted ones) is not counted: the next step overwrites it.
             num_rejected = num_drafts + 1 - len(token_ids) if num_drafts else 0
-            num_computed = request.num_computed_tokens + output.num_scheduled_tokens[request.request_id] - num_rejected
+            num_computed = request.num_computed_tokens + output.num_scheduled_tokens[request_id] - num_rejected
             assert status is not None or num_computed <= request.num_tokens
             request.num_computed_tokens = min(num_computed, request.num_tokens)  # tokens after a stop were dropped
             self.block_manager.cache_full_blocks(request)
             if status is not None:
                 self._finish(request, status)
-                finished.append(request)
-        return finished
+            if token_ids is not None:
+                outputs.append(_core_output(request, num_before, result.logprobs.get(request_id)))
+        if self.proposer is not None:
+            self.proposer.propose(self.running)
+        return outputs
 
     @staticmethod
     def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
@@ -272,3 +314,19 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _core_output(request: Request, num_before: int, logprobs: PositionLogprobs | None) -> EngineCoreOutput:
+    """What a step produced for ``request``, which had ``num_before`` output tokens before it."""
+    first = num_before == 0
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=request.output_token_ids[num_before:],  # a stop drops those after it
+        new_logprobs=[logprobs] if logprobs is not None else None,
+        prompt_logprobs=[None, *request.prompt_logprobs] if first and request.prompt_logprobs_requested else None,
+        finish_reason=request.status.value if request.is_finished else None,
+        stop_reason=request.stop_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        queue_time=request.first_scheduled_time - request.arrival_time if first else None,
+        num_cached_tokens=request.num_cached_tokens,
+    )

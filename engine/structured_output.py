@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
-from kernels import cpu as cpu_kernels
+from kernels import cdiv
 
 # NOTE: the compile thread runs at this much lower priority than the steps. On two cores a compile at the same
 # priority tripled the steps it overlapped (16 streams: 33 -> 102 ms a step); at +10 they took 15-25% longer and
@@ -63,12 +63,14 @@ class Grammar:
 
 
 def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)  # [rows, words]: all allowed
+    return torch.full((num_rows, cdiv(vocab_size, 32)), -1, dtype=torch.int32)  # [rows, words]: all allowed
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear: the C kernel where it can (~100x faster on a
     CPU than unpacking every bit in torch), else torch."""
+    from kernels import cpu as cpu_kernels  # here, not at import: the API process parses grammars without kernels
+
     if logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu_kernels.available():
         cpu_kernels.apply_token_bitmask(logits, rows.cpu(), bitmask.cpu())
         return

@@ -8,3 +8,8 @@ request's last block are never read.
 
 On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported).
 """
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints: how many blocks (panels, words) of ``b`` hold ``a`` items."""
+    return -(-a // b)

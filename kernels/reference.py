@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cdiv
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[num_blocks, block_size, kv_heads, head_dim] + one block-table row -> [seq_len, kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 

@@ -23,11 +23,9 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-# isort: off
-from engine import LLM, SamplingParams  # before torch: it sets the OpenMP policy torch reads when it loads
 import torch
 
-# isort: on
+from engine import LLM, SamplingParams
 from loadtest.memory import PeakRSS
 
 SWEEP_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -215,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _parse_engine_flags(flags: list[str]) -> dict:
     """``--max-num-seqs 64`` style engine options, passed through to ``LLM``."""
-    from engine.cli import parse_engine_args
+    from engine.arg_utils import parse_engine_args
 
     return parse_engine_args(flags)
 

@@ -25,11 +25,11 @@ if [[ " $STEPS " == *" tests "* ]]; then
         | tee "$OUT/tests.log" || status=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
-    $PY -m kernels.bench --save "$OUT/kernels_bench.json" 2>&1 | tee "$OUT/kernels_bench.md" || status=1
+    $PY -m loadtest.lab.decode_kernel --save "$OUT/kernels_bench.json" 2>&1 | tee "$OUT/kernels_bench.md" || status=1
 fi
 if [[ " $STEPS " == *" serve "* ]]; then
     # shellcheck disable=SC2086
-    setsid $PY -m engine.cli serve --port 8000 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+    setsid $PY -m server --port 8000 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 180); do
         curl -sf http://127.0.0.1:8000/health > /dev/null && break

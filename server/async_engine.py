@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.engine_core import EngineStats
+from engine.messages import AbortRequests, AddRequest, EngineFailed, RequestRejected, StepOutputs
 from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from server.engine_client import EngineClient
-from server.messages import AbortRequests, AddRequest, EngineFailed, RequestRejected, StepOutputs
 from server.metrics import Metrics
 from server.protocol import APIError
 

@@ -1,4 +1,6 @@
-"""``harpoon serve``: start the engine process, then the HTTP server; drain gracefully on SIGTERM."""
+"""The ``harpoon`` command: ``serve`` (start the engine process, then the HTTP server; drain gracefully on SIGTERM)
+and ``generate`` (complete one prompt offline). The benchmarks run as ``python -m loadtest.serve`` and
+``python -m loadtest.offline``."""
 
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ import time
 
 import uvicorn
 
-from engine.cli import add_engine_arguments, engine_args_from, parse_memory
+from engine.arg_utils import add_engine_arguments, engine_args_from, parse_memory
 from engine.config import EngineConfig
+from engine.gc_heap import freeze_startup_heap
 from engine.model_loader import load_tokenizer, resolve_model
 from server.api import DEFAULT_MAX_BODY_BYTES, build_app
 from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
-from server.gc_heap import freeze_startup_heap
 from server.metrics import Metrics
 from server.tool_calls import TOOL_CALL_PARSERS
 
@@ -142,6 +144,41 @@ def main(argv: list[str] | None = None) -> None:
     except EngineStartError as e:
         logger.critical("%s", e)
         sys.exit(f"harpoon serve: the engine could not start: {str(e).splitlines()[0]}")
+
+
+def generate(argv: list[str]) -> None:
+    """``harpoon generate PROMPT``: one completion, offline, printed."""
+    parser = argparse.ArgumentParser(prog="harpoon generate", description="Complete one prompt and print it.")
+    parser.add_argument("prompt")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    engine_args = engine_args_from(args, parser)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
+    out = llm.generate([prompt], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))[0]
+    print((args.prompt if not args.chat else "") + out.outputs[0].text)
+
+
+def harpoon(argv: list[str] | None = None) -> None:
+    """The ``harpoon`` command: ``serve`` or ``generate``, then that command's options."""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"serve": main, "generate": generate}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: harpoon {serve | generate} [options]; add --help after a command for its options")
+        return
+    if argv[0] not in commands:
+        sys.exit(f"harpoon: unknown command {argv[0]!r}; expected one of: {', '.join(commands)}")
+    commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from server.engine_loop import run_engine_loop
-from server.messages import EngineFailed, EngineInfo, EngineReady, Shutdown
+from engine.engine_process import run_engine_process
+from engine.messages import EngineFailed, EngineInfo, EngineReady, Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +60,6 @@ class EngineClient(ABC):
         return message.info
 
 
-def _engine_process_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def receive(block: bool) -> list[object]:
-        messages = [conn.recv()] if block else []
-        while conn.poll():
-            messages.append(conn.recv())
-        return messages
-
-    try:
-        run_engine_loop(config, receive, conn.send, freeze_heap=True)
-    except (EOFError, BrokenPipeError):
-        pass  # the server went away: nothing left to serve
-
-
 class MultiprocessEngineClient(EngineClient):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -88,7 +73,7 @@ class MultiprocessEngineClient(EngineClient):
         self._release()  # a previous engine's pipe and sender, if it died
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_engine_process_main, name="harpoon-engine", daemon=True,
+        self.process = ctx.Process(target=run_engine_process, name="harpoon-engine", daemon=True,
                                    args=(self.config, child, logging.getLogger().getEffectiveLevel()))
         self.process.start()
         child.close()
@@ -206,6 +191,8 @@ class InProcessEngineClient(EngineClient):
             while not self._inbox.empty():
                 messages.append(self._inbox.get_nowait())
             return messages
+
+        from engine.engine_loop import run_engine_loop  # the model and kernels load in this process, once asked
 
         self._thread = threading.Thread(target=run_engine_loop, args=(self.config, receive, send),
                                         name="harpoon-engine", daemon=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from engine.engine_core import EngineStats
+from engine.outputs import EngineStats
 
 disable_created_metrics()  # the *_created series only add noise to dashboards
 

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.inputs import as_prompt_list
 from server.protocol import APIError, ChatMessage, CompletionRequest
 
 # apply_chat_template's own parameters: chat_template_kwargs may not reach them
@@ -91,13 +92,7 @@ class PromptBuilder:
         return self.check_token_ids(ids, param)
 
     async def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
-        p = body.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            items = [p]
-        else:
-            items = list(p)
+        items = as_prompt_list(body.prompt)
         if not items or any(not item for item in items):
             raise APIError(400, "prompt must not be empty", param="prompt")
         for item in items:  # every bound before any tokenizing

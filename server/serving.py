@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
+from engine.inputs import fan_out
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
 from engine.structured_output import check_grammar
@@ -79,12 +80,8 @@ class OpenAIServing:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
 
     def _choices(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> list[Choice]:
-        choices = []
-        for i, prompt in enumerate(prompts):
-            for j in range(params.n):
-                index = i * params.n + j
-                choices.append(Choice(f"{request_id}-{index}", prompt.token_ids, params.for_sample(j), index))
-        return choices
+        return [Choice(s.request_id, prompts[s.index // params.n].token_ids, s.params, s.index)
+                for s in fan_out(request_id, len(prompts), params)]
 
     # ---- /v1/completions ------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# isort: off
-import engine  # noqa: F401  (before torch: it sets the OpenMP policy torch reads when it loads)
 import pytest
 import torch
-
-# isort: on
 
 # Triton kernels run under the interpreter when there is no GPU; it must be chosen before any kernel is defined.
 if not torch.cuda.is_available():

@@ -6,14 +6,13 @@ import asyncio
 
 import pytest
 
-from engine.engine_core import EngineStats
 from engine.limits import EngineLimits
-from engine.outputs import EngineCoreOutput
+from engine.messages import AbortRequests, AddRequest, EngineFailed, EngineInfo, StepOutputs
+from engine.outputs import EngineCoreOutput, EngineStats
 from engine.sampling_params import SamplingParams
 from server import async_engine
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
 from server.engine_client import EngineClient
-from server.messages import AbortRequests, AddRequest, EngineFailed, EngineInfo, StepOutputs
 from server.metrics import Metrics
 from server.protocol import APIError
 

@@ -233,12 +233,13 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
                   max_num_batched_tokens=32)
         model = llm.engine.model
         head = dtype if enabled == "1" and grid != "bf16" else torch.float32
-        formats = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
+        formats = {m.kernel.packed.dtype for m in model.modules() if getattr(m, "kernel", None) is not None
+                   and hasattr(m.kernel, "out_features")}
         assert formats == ({dtype, head} if enabled == "1" else {torch.float32})
-        assert model.lm_head.packed.dtype == head
-        assert (model.greedy_head is None) == (head != torch.float32)
+        assert model.lm_head.kernel.packed.dtype == head
+        assert (llm.engine.backend.greedy_head is None) == (head != torch.float32)
         # an untied embedding of Q4/Q8 blocks is looked up from its own panels, and its fp32 table freed
-        assert (model.packed_embed is not None) == (head != torch.float32)
+        assert (model.embed_tokens.kernel is not None) == (head != torch.float32)
         assert model.embed_tokens.weight.numel() == (0 if head != torch.float32 else 512 * 64)
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])

@@ -146,12 +146,13 @@ def test_wrong_dtype_is_refused():
 
 
 def test_auto_backend_picks_the_c_kernels_for_fp32_cpu():
+    from engine.backends import backend_name
     from engine.config import EngineConfig
 
     cfg, cpu_dev = EngineConfig(), torch.device("cpu")
-    assert cfg.resolve_attention_backend(cpu_dev, torch.float32) == "cpu"
-    assert cfg.resolve_attention_backend(cpu_dev, torch.bfloat16) == "torch"
-    assert EngineConfig(attention_backend="torch").resolve_attention_backend(cpu_dev, torch.float32) == "torch"
+    assert backend_name(cfg, cpu_dev, torch.float32) == "cpu"
+    assert backend_name(cfg, cpu_dev, torch.bfloat16) == "torch"
+    assert backend_name(EngineConfig(attention_backend="torch"), cpu_dev, torch.float32) == "torch"
 
 
 def test_kv_cache_dtype_is_the_models_or_bfloat16():

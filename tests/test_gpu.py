@@ -49,10 +49,10 @@ def expected_float32(hf_float32, prompt_ids) -> list[list[int]]:
 def test_float32_greedy_equals_transformers_with_staggered_arrivals(prompt_ids, expected_float32):
     for eager in (False, True):
         engine = engine_with(device="cuda", dtype="float32", enforce_eager=eager)
-        assert engine.attention_backend == "triton"
+        assert engine.backend.name == "triton"
         tokens = run_staggered(engine, prompt_ids, ARRIVALS)
         assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected_float32
-        graphs = engine.model_runner.graphs
+        graphs = engine.backend.graphs
         assert (graphs is None) if eager else graphs.num_replays > 0
 
 
@@ -63,7 +63,7 @@ def test_float32_greedy_with_ngram_drafts_equals_transformers(prompt_ids, expect
     assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected_float32
     stats = engine.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
-    assert engine.model_runner.graphs.num_replays > 0
+    assert engine.backend.graphs.num_replays > 0
 
 
 def test_bfloat16_kv_cache_equals_transformers_with_rounded_kv(hf_float32, prompt_ids):
@@ -113,7 +113,7 @@ def test_tiny_models_float32_greedy_equals_transformers(kind, eager, tiny_model)
               enforce_eager=eager)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.attention_backend == "triton"
+    assert llm.engine.backend.name == "triton"
 
 
 def test_pages_under_16_tokens_are_refused_on_a_gpu(tiny_model):
@@ -125,7 +125,7 @@ def test_graph_replays_equal_eager_steps_in_bfloat16(tiny_model):
     """A graph replays the very kernels of an eager step over the same padded bucket, so the hidden states of a
     captured step equal those of the same forward run eagerly, bit for bit, for every bucket size."""
     llm = LLM(str(tiny_model("llama-gqa-tied")), device="cuda", dtype="bfloat16", kv_cache_memory=64 << 20)
-    graphs, runner = llm.engine.model_runner.graphs, llm.engine.model_runner
+    graphs, runner = llm.engine.backend.graphs, llm.engine.model_runner
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(40)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))  # fills the pool with K/V to attend
     rng = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The screened greedy head (``engine/models/greedy_head.py``) against the full fp32 LM head: the same token ids,
+"""The screened greedy head (``engine/backends/greedy_head.py``) against the full fp32 LM head: the same token ids,
 ties and near-ties included, a bound that holds, and a refusal wherever it cannot decide."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.greedy_head import MAX_ROWS, ScreenedGreedyHead
+from engine.backends.greedy_head import MAX_ROWS, ScreenedGreedyHead
 from kernels import cpu
 from tests.conftest import TINY_CONFIGS
 
@@ -78,7 +78,7 @@ def test_int8_weights_round_each_row_to_its_scale():
 
 
 def test_building_in_chunks_gives_the_same_head(monkeypatch):
-    import engine.models.greedy_head as greedy_head
+    import engine.backends.greedy_head as greedy_head
 
     whole, packed = make_head(seed=5)
     monkeypatch.setattr(greedy_head, "BUILD_CHUNK", 3 * HIDDEN * packed.shape[2])  # 3 panels a chunk, 14 chunks
@@ -107,7 +107,7 @@ def test_engine_takes_plain_greedy_tokens_from_the_screened_head(kind, tiny_mode
     llm = LLM(str(tiny_model(kind)), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
               attention_backend="cpu")
     model = llm.engine.model
-    assert model.greedy_head is not None
+    assert llm.engine.backend.greedy_head is not None
     calls = []
     compute_logits = model.compute_logits
     model.compute_logits = lambda hidden: calls.append(hidden.shape[0]) or compute_logits(hidden)

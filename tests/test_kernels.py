@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from kernels import cdiv
 from kernels.decode_attention import decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.reference import ref_decode_attention, ref_prefill_attention, ref_store_kv
@@ -23,7 +24,7 @@ def make_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size
                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A pool with spare blocks, shuffled block tables, and NaN everywhere no request's tokens live."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    blocks_needed = [cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_needed) + 7
     ids = list(range(num_blocks))
     random.Random(seed).shuffle(ids)

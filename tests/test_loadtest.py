@@ -166,7 +166,7 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
-    from loadtest.step_profile import main as profile_main
+    from loadtest.lab.step_profile import main as profile_main
 
     profile_main(["--model", str(tiny_model("llama-gqa-tied")), "--attention-backend", backend, "--batches", "1,3",
                   "--steps", "2", "--prompt-len", "9"])
@@ -182,7 +182,7 @@ def test_step_profile_prints_every_step_kind(backend, tiny_model, capsys):
 
 
 def test_first_bursts_times_each_burst_in_order(tiny_model, capsys):
-    from loadtest.first_bursts import main as bursts_main
+    from loadtest.lab.first_bursts import main as bursts_main
 
     bursts_main(["--model", str(tiny_model("llama-gqa-tied")), "--bursts", "1,3,2", "--prompt-len", "9"])
     rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
@@ -214,7 +214,7 @@ def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_mode
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 def test_structured_output_bench_times_both_workloads(tiny_model, capsys):
-    from loadtest.structured_output import main as structured_main
+    from loadtest.lab.structured_output import main as structured_main
 
     structured_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "6",
                      "--rounds", "1"])
@@ -225,7 +225,7 @@ def test_structured_output_bench_times_both_workloads(tiny_model, capsys):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C compiler")
 def test_grammar_compile_bench_times_both_ways_to_compile(tiny_model, capsys):
-    from loadtest.grammar_compile import main as grammar_main
+    from loadtest.lab.grammar_compile import main as grammar_main
 
     grammar_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "12", "--join-step",
                   "4", "--rounds", "1"])
@@ -235,7 +235,7 @@ def test_grammar_compile_bench_times_both_ways_to_compile(tiny_model, capsys):
 
 
 def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
-    from loadtest.kernel_ab import main as kernel_ab_main
+    from loadtest.lab.kernel_ab import main as kernel_ab_main
 
     with pytest.raises(subprocess.CalledProcessError):  # the flags reach the compiler
         kernel_ab_main(["WORKTREE -DKC=0x", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import TritonAttention
-from engine.models import llama
+from engine.backends import cpu as cpu_backend
+from engine.backends.cuda import TritonAttention
 from tests.conftest import TINY_CONFIGS, hf_greedy
 
 
@@ -27,7 +27,7 @@ def test_tiny_model_greedy_matches_transformers(kind, backend, tiny_model):
               attention_backend=backend)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.attention_backend == backend
+    assert llm.engine.backend.name == backend
     bm = llm.engine.block_manager
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks
@@ -89,15 +89,15 @@ def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_arg
     results, query_lens = [], []
     for use_decoder in (True, False):
         llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", **engine_args)
-        model = llm.engine.model
-        decoder = model.cpu_decoder
+        backend = llm.engine.backend
+        decoder = backend.decoder
         assert decoder is not None
 
         def counted(x, positions, *args, decoder=decoder):
             query_lens.append(x.shape[0])
             return decoder(x, positions, *args)
 
-        model.cpu_decoder = counted if use_decoder else None
+        backend.decoder = counted if use_decoder else None
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     return results, query_lens
@@ -108,7 +108,7 @@ def test_cpu_decode_step_is_bit_identical_to_the_module_path(kind, tiny_model, m
     """Decode steps run every layer in one C call (``model.cpu_decoder``); with it switched off, the same requests
     through the per-module path give the very same logprobs, bit for bit. The prompts (over 64 tokens, with the
     context limit for long chunks at 0) are prefilled by the modules in both runs."""
-    monkeypatch.setattr(llama, "CPU_DECODER_MAX_PREFILL_CONTEXT", 0)
+    monkeypatch.setattr(cpu_backend, "DECODER_MAX_PREFILL_CONTEXT", 0)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (65, 70, 100)]
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=4)
@@ -135,7 +135,7 @@ def test_cpu_decoder_takes_long_chunks_within_the_context_limit(kind, tiny_model
     """Prefill chunks over 64 tokens take the C decoder while their context stays within
     ``CPU_DECODER_MAX_PREFILL_CONTEXT`` (80 here), the modules past it; either way tokens equal the modules' and
     logprobs agree to rounding."""
-    monkeypatch.setattr(llama, "CPU_DECODER_MAX_PREFILL_CONTEXT", 80)
+    monkeypatch.setattr(cpu_backend, "DECODER_MAX_PREFILL_CONTEXT", 80)
     rng = random.Random(4)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=4)
     for n, through_decoder in ((70, True), (80, True), (81, False)):
@@ -180,17 +180,17 @@ def test_triton_backend_greedy_matches_transformers(kind, tiny_model):
 def test_cuda_graph_steps_match_transformers(kind, tiny_model, monkeypatch):
     """The graph path (static buffers, padding to a bucket, a decode query per token), run eagerly here where there
     is no GPU to capture on, gives transformers' greedy tokens beside steps that do not fit and run the usual way."""
-    from engine import cuda_graphs
+    from engine.backends import cuda_graphs
 
     llm, prompts, expected = _triton_case(tiny_model(kind), seed=2)
     engine = llm.engine
-    assert engine.model_runner.graphs is None  # nothing to capture on a CPU
+    assert engine.backend.graphs is None  # nothing to capture on a CPU
     # Buckets 1, 2, 4, 8, 12: the 16-token steps do not fit, nor do prompt chunks past 20 positions.
     graphs = cuda_graphs.CudaGraphs(engine.model, engine.kv_cache, 12, 8, engine.max_model_len, engine.device)
     monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_CONTEXT", 20)
     fits, decide = [], graphs.fits
     monkeypatch.setattr(graphs, "fits", lambda meta: fits.append(decide(meta)) or fits[-1])
-    engine.model_runner.graphs = graphs
+    engine.backend.graphs = graphs
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert graphs.sizes == [1, 2, 4, 8, 12]
@@ -198,7 +198,7 @@ def test_cuda_graph_steps_match_transformers(kind, tiny_model, monkeypatch):
 
 
 def test_cuda_graph_buckets():
-    from engine.cuda_graphs import bucket_sizes
+    from engine.backends.cuda_graphs import bucket_sizes
 
     assert bucket_sizes(512)[:13] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160]
     assert bucket_sizes(512)[-3:] == [384, 448, 512]

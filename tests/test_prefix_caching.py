@@ -4,6 +4,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.scheduler import Scheduler
 from tests.conftest import PROMPTS
@@ -21,10 +22,10 @@ def run_to_end(sched: Scheduler, bm: BlockManager) -> list[list[int]]:
     while sched.has_unfinished_requests():
         out = sched.schedule()
         if first_tables is None:
-            first_tables = dict(out.block_tables)
+            first_tables = {r: list(bm.get_block_ids(r)) for r in out.num_scheduled_tokens}
         sampled = {r.request_id: [7] for r in out.scheduled_requests
                    if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
-        sched.update_from_output(out, sampled)
+        sched.update_from_output(out, ModelRunnerOutput(sampled))
         bm.check_integrity()
     return first_tables
 
@@ -39,7 +40,7 @@ def test_hit_reuses_the_same_physical_blocks_and_leaves_the_last_token():
     sched.add_request(make("b", prompt + [1, 2]))  # same 10 tokens, then diverges inside block 2
     out = sched.schedule()
     b = sched.requests["b"]
-    assert out.block_tables["b"][:2] == [0, 1]  # the very blocks "a" computed
+    assert bm.get_block_ids("b")[:2] == [0, 1]  # the very blocks "a" computed
     assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
     assert out.num_scheduled_tokens == {"b": 4}
     assert [bm.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
@@ -50,7 +51,7 @@ def test_hit_reuses_the_same_physical_blocks_and_leaves_the_last_token():
     sched.add_request(c)
     out = sched.schedule()
     assert out.num_scheduled_tokens["c"] == 4 and c.num_computed_tokens == 4
-    assert out.block_tables["c"][0] == 0 and bm.blocks[0].ref_cnt == 2  # shared with "b"
+    assert bm.get_block_ids("c")[0] == 0 and bm.blocks[0].ref_cnt == 2  # shared with "b"
     bm.check_integrity()
 
 
@@ -61,9 +62,9 @@ def test_divergence_mid_block_only_reuses_full_matching_blocks():
     run_to_end(sched, bm)
     other = list(range(6)) + [99] * 6  # agrees for block 0 and half of block 1
     sched.add_request(make("b", other, max_tokens=1))
-    out = sched.schedule()
-    assert sched.requests["b"].num_computed_tokens == 4 and out.block_tables["b"][0] == 0
-    assert out.block_tables["b"][1] not in (1, 2)
+    sched.schedule()
+    assert sched.requests["b"].num_computed_tokens == 4 and bm.get_block_ids("b")[0] == 0
+    assert bm.get_block_ids("b")[1] not in (1, 2)
 
 
 def test_freed_cached_blocks_are_evicted_lru_and_only_when_needed():
@@ -77,13 +78,13 @@ def test_freed_cached_blocks_are_evicted_lru_and_only_when_needed():
     # Free queue: never-used 4, 5 first, then a's blocks (tail first), then b's: the LRU order of eviction.
     assert bm.free_queue.ids() == [4, 5, 1, 0, 3, 2]
     sched.add_request(make("c", list(range(200, 212)), max_tokens=1))  # needs 3 fresh blocks
-    out = sched.schedule()
-    assert out.block_tables["c"] == [4, 5, 1]  # evicts a's tail block, keeps a's head and all of b
+    sched.schedule()
+    assert bm.get_block_ids("c") == [4, 5, 1]  # evicts a's tail block, keeps a's head and all of b
     assert len(bm.cached_blocks) == 3
     run_to_end(sched, bm)
     sched.add_request(make("a2", list(range(0, 8)) + [9], max_tokens=1))
-    out = sched.schedule()
-    assert out.block_tables["a2"][0] == 0 and sched.requests["a2"].num_computed_tokens == 4  # block 1 was evicted
+    sched.schedule()
+    assert bm.get_block_ids("a2")[0] == 0 and sched.requests["a2"].num_computed_tokens == 4  # block 1 was evicted
 
 
 def test_simultaneous_identical_prompts_compute_the_prefix_once():
@@ -94,10 +95,10 @@ def test_simultaneous_identical_prompts_compute_the_prefix_once():
         sched.add_request(make(f"s{i}", prompt))
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["s0"]  # the samples wait for the block s0 is computing
-    sched.update_from_output(out, {"s0": [7]})
+    sched.update_from_output(out, ModelRunnerOutput({"s0": [7]}))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"s0": 1, "s1": 2, "s2": 2}
-    assert out.block_tables["s1"][:4] == out.block_tables["s0"][:4] == out.block_tables["s2"][:4]
+    assert bm.get_block_ids("s1")[:4] == bm.get_block_ids("s0")[:4] == bm.get_block_ids("s2")[:4]
     assert bm.num_hit_tokens == 2 * 16
 
 

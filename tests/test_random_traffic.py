@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.block_table import BlockTables
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -51,11 +53,14 @@ def run_alone(prompt: list[int], params: SamplingParams, max_tokens: int) -> tup
 
 
 class ShadowModel:
-    """Plays the model runner over a pool of (position, token) slots instead of K/V vectors."""
+    """Plays the model runner over a pool of (position, token) slots instead of K/V vectors, keeping the block
+    tables from the plans' deltas as the runner does (and checking them against the block manager's)."""
 
-    def __init__(self, bm: BlockManager) -> None:
+    def __init__(self, bm: BlockManager, max_num_seqs: int) -> None:
+        self.bm = bm
         self.block_size = bm.block_size
         self.slots: list[tuple[int, int] | None] = [None] * (bm.num_blocks * bm.block_size)
+        self.tables = BlockTables(max_num_seqs, bm.num_blocks)
 
     def _slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -64,11 +69,15 @@ class ShadowModel:
         """Store every scheduled token's entry, then (as attention runs after the whole batch's stores) read each
         request's context back through its table and sample where the chunk reaches its last token."""
         inputs = {}
+        self.tables.update(out.finished_request_ids, out.new_block_ids)
+        for request_id, row in self.tables.rows.items():
+            held = self.tables.table[row, : self.tables.num_blocks[row]].tolist()
+            assert held == self.bm.get_block_ids(request_id), f"{request_id}: the runner's table is stale"
         for request in out.scheduled_requests:
             start, drafts = request.num_computed_tokens, out.spec_token_ids.get(request.request_id, [])
             end = start + out.num_scheduled_tokens[request.request_id]
             tokens = request.all_token_ids[: end - len(drafts)] + drafts  # the known tokens, then the guesses
-            table = out.block_tables[request.request_id]
+            table = self.bm.get_block_ids(request.request_id)
             assert len(table) * self.block_size >= end, f"{request.request_id}: table too short for {end} tokens"
             for position in range(start, end):
                 self.slots[self._slot(table, position)] = (position, tokens[position])
@@ -155,7 +164,7 @@ def test_random_traffic_reads_only_its_own_kv_and_leaves_the_pool_whole(case: Ca
     rng = random.Random(case.seed)
     bm = BlockManager(case.num_blocks, case.block_size, enable_caching=case.caching)
     sched = Scheduler(bm, case.max_num_seqs, case.budget, case.prefill_tokens_per_decode)
-    model = ShadowModel(bm)
+    model = ShadowModel(bm, case.max_num_seqs)
     capacity = case.num_blocks * case.block_size  # what one request may hold at most
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(0, 40))] for _ in range(3)]
     expected: dict[str, tuple[list[int], RequestStatus]] = {}
@@ -189,7 +198,7 @@ def test_random_traffic_reads_only_its_own_kv_and_leaves_the_pool_whole(case: Ca
         assert sum(n for r, n in out.num_scheduled_tokens.items() if r in prefilling) <= prefill_budget
         for request_id in out.preempted_request_ids:
             assert request_id not in bm.block_tables and request_id not in out.num_scheduled_tokens
-        sched.update_from_output(out, model.execute(out))
+        sched.update_from_output(out, ModelRunnerOutput(model.execute(out)))
         bm.check_integrity()
         steps += 1
         assert steps < 5000, "the traffic stopped making progress"

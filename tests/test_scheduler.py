@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from engine.backends.base import DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE, TorchBackend
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE, EngineConfig
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -23,6 +25,12 @@ def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int 
     return Scheduler(bm, max_num_seqs, budget, prefill_tokens_per_decode), bm
 
 
+def finished_requests(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    """``update_from_output`` for a step that sampled ``sampled``; the requests it finished."""
+    by_id = {r.request_id: r for r in out.scheduled_requests}
+    return [by_id[o.request_id] for o in sched.update_from_output(out, ModelRunnerOutput(sampled)) if o.finished]
+
+
 def run_step(sched: Scheduler, bm: BlockManager, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     """One step as the engine does it: every request whose chunk reaches its last token samples ``token``."""
     out = sched.schedule()
@@ -32,7 +40,7 @@ def run_step(sched: Scheduler, bm: BlockManager, token: int = 7) -> tuple[Schedu
         for r in out.scheduled_requests
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
     }
-    finished = sched.update_from_output(out, sampled)
+    finished = finished_requests(sched, out, sampled)
     bm.check_integrity()
     return out, finished
 
@@ -43,7 +51,7 @@ def test_prefill_then_decode_with_exact_blocks():
     sched.add_request(a)
     out, _ = run_step(sched, bm)
     assert out.num_scheduled_tokens == {"a": 6}
-    assert out.block_tables["a"] == [0, 1]
+    assert bm.get_block_ids("a") == [0, 1]
     out, _ = run_step(sched, bm)
     assert out.num_scheduled_tokens == {"a": 1}
     out, finished = run_step(sched, bm)
@@ -128,12 +136,12 @@ def test_stop_conditions():
     for r in (eos, stop, ignore, min_tok):
         sched.add_request(r)
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"eos": [EOS], "stop": [9], "ignore": [EOS], "min": [EOS]})
+    finished = finished_requests(sched, out, {"eos": [EOS], "stop": [9], "ignore": [EOS], "min": [EOS]})
     assert {r.request_id for r in finished} == {"eos", "stop"}
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
     assert stop.stop_reason == 9
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"ignore": [EOS], "min": [EOS]})
+    finished = finished_requests(sched, out, {"ignore": [EOS], "min": [EOS]})
     assert {r.request_id for r in finished} == {"ignore", "min"}
     assert ignore.status == RequestStatus.FINISHED_LENGTH
     assert min_tok.status == RequestStatus.FINISHED_STOPPED
@@ -221,7 +229,10 @@ def test_prefill_tokens_per_decode_must_not_be_negative(bad: float):
 
 def test_prefill_tokens_per_decode_default_caps_cpu_steps_only():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert EngineConfig().resolve_prefill_tokens_per_decode(cpu) == DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE
-    assert EngineConfig().resolve_prefill_tokens_per_decode(gpu) is None
-    assert EngineConfig(prefill_tokens_per_decode=0).resolve_prefill_tokens_per_decode(cpu) is None  # 0: no cap
-    assert EngineConfig(prefill_tokens_per_decode=1.5).resolve_prefill_tokens_per_decode(gpu) == 1.5
+    def cap(device: torch.device, **config: float) -> float | None:
+        return TorchBackend(EngineConfig(**config), device, torch.float32).prefill_tokens_per_decode()
+
+    assert cap(cpu) == DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE
+    assert cap(gpu) is None
+    assert cap(cpu, prefill_tokens_per_decode=0) is None  # 0: no cap
+    assert cap(gpu, prefill_tokens_per_decode=1.5) == 1.5

@@ -164,7 +164,7 @@ def test_bad_engine_flags_are_usage_errors_before_any_model_loads(flags, message
 
 
 def test_switch_flags_set_only_what_they_name():
-    from engine.cli import parse_engine_args
+    from engine.arg_utils import parse_engine_args
 
     assert parse_engine_args([]) == {}
     assert parse_engine_args(["--enforce-eager", "--no-prefix-caching", "--block-size", "32"]) == {

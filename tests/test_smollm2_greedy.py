@@ -45,9 +45,9 @@ ARRIVALS = [0, 0, 1, 3, 3, 7, 12, 20]  # later requests join while earlier ones 
 def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected):
     engine = engine_with()
     layer = engine.model.layers[0]
-    if engine.attention_backend == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
-        assert layer.mlp.down_proj.packed.dtype == layer.self_attn.qkv_proj.packed.dtype == torch.uint8
-        assert engine.model.packed_tied_head.dtype == torch.int8 and engine.model.greedy_head is None
+    if engine.backend.name == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
+        assert layer.mlp.down_proj.kernel.packed.dtype == layer.self_attn.qkv_proj.kernel.packed.dtype == torch.uint8
+        assert engine.model.lm_head.kernel.packed.dtype == torch.int8 and engine.backend.greedy_head is None
     tokens = run_staggered(engine, prompt_ids, ARRIVALS)
     assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
     assert engine.scheduler.num_preemptions == 0

@@ -6,7 +6,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -82,7 +82,9 @@ def test_proposer_respects_batch_size_max_tokens_and_prefill():
 def step(sched: Scheduler, bm: BlockManager, emitted: dict[str, list[int]]):
     out = sched.schedule()
     bm.check_integrity()
-    finished = sched.update_from_output(out, emitted)
+    by_id = {r.request_id: r for r in out.scheduled_requests}
+    outputs = sched.update_from_output(out, ModelRunnerOutput(emitted))
+    finished = [by_id[o.request_id] for o in outputs if o.finished]
     bm.check_integrity()
     return out, finished
 
@@ -96,7 +98,7 @@ def test_verify_step_keeps_accepted_drafts_and_rolls_back_the_rest():
     a.spec_token_ids = [8, 9, 10, 11]
     out, _ = step(sched, bm, {"a": [8, 9, 12]})  # drafts 8 9 kept, 10 rejected (the model says 12)
     assert out.num_scheduled_tokens == {"a": 5} and out.spec_token_ids == {"a": [8, 9, 10, 11]}
-    assert out.block_tables["a"] == [0, 1, 2]  # room for positions 6..10 was allocated
+    assert bm.get_block_ids("a") == [0, 1, 2]  # room for positions 6..10 was allocated
     assert a.output_token_ids == [7, 8, 9, 12]
     assert a.num_computed_tokens == 9 and a.num_tokens == 10  # K/V of 7 8 9 kept; 12 is the next query
     assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (4, 2)
@@ -133,12 +135,10 @@ def test_a_stop_inside_accepted_drafts_drops_the_tokens_after_it():
 def test_engine_outputs_carry_only_the_tokens_kept(monkeypatch):
     """EngineCore.step reports what the scheduler kept, not everything the runner emitted."""
     from engine.engine_core import EngineCore
-    from engine.model_runner import ModelRunnerOutput
 
     engine = EngineCore.__new__(EngineCore)
     bm = BlockManager(8, 4)
     engine.scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    engine.proposer = None
     engine._compiling = {}  # no grammar requests
     a = make("a", [1, 2, 3], max_tokens=4)
     engine.scheduler.add_request(a)
@@ -180,7 +180,7 @@ def test_bad_speculative_config_is_a_clear_error(bad, message):
 
 
 def test_speculative_config_from_json_dict_or_flag():
-    from engine.cli import parse_engine_args
+    from engine.arg_utils import parse_engine_args
 
     expected = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=None)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None}

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import MAX_CPU_TOKEN_BUDGET, MIN_CPU_TOKEN_BUDGET, cpu_token_budget
+from engine.backends.start_up import MAX_CPU_TOKEN_BUDGET, MIN_CPU_TOKEN_BUDGET, cpu_token_budget, warm_up_bursts
 
 
 @pytest.mark.parametrize(("per_token_ms", "budget"),
@@ -46,7 +46,7 @@ def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model
         return runner_execute(sched)
 
     engine.model_runner.execute = spy
-    engine._warm_up()
+    warm_up_bursts(engine, smallest=128)
     assert steps[:3] == [(512, 4), (256, 2), (3 * 128, 3)]  # the bursts, then the first wave's early three
     num_tokens, num_reqs = steps[3]
     assert num_reqs == 4 and num_tokens > 3  # their decodes beside the rest's prompt tokens

@@ -28,6 +28,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
+from kernels import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class CudaGraphs:
         self.sizes = bucket_sizes(min(MAX_NUM_TOKENS, max_num_batched_tokens))
         self.max_num_tokens = self.sizes[-1]
         self.max_num_seqs = max_num_seqs
-        max_blocks = -(-max_model_len // kv_cache.spec.block_size)
+        max_blocks = cdiv(max_model_len, kv_cache.spec.block_size)
         pinned = device.type == "cuda"
         # Rows: input ids, positions, slots, request row of each token. Padding as in the module docstring.
         self._host_tokens = torch.zeros(4, self.max_num_tokens, dtype=torch.int64, pin_memory=pinned)

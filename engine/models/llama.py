@@ -6,7 +6,7 @@ metadata; only the rows that are sampled (or scored for prompt logprobs) go thro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.attention import AttentionMetadata, make_attention
-from engine.models.greedy_head import ScreenedGreedyHead, pack_head
-from engine.models.linear import Linear, linear
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.models.linear import Linear, VocabEmbedding
 from engine.models.rotary import RotaryEmbedding
-from kernels import cpu as cpu_kernels
-from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
+
+# (num_heads, num_kv_heads, head_dim, scale) -> the attention a backend runs over the paged pool
+AttentionFactory = Callable[[int, int, int, float], TorchAttention]
 
 
 @dataclass(frozen=True)
@@ -41,24 +41,25 @@ def num_kv_heads_of(config: PretrainedConfig) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def variant_for(config: PretrainedConfig) -> DecoderVariant:
-    arch = (config.architectures or ["LlamaForCausalLM"])[0]
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    if arch == "Qwen2ForCausalLM":
-        return DecoderVariant(qkv_bias=True)
-    if arch == "Qwen3ForCausalLM":
-        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        return DecoderVariant(
-            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
-        )
-    raise ValueError(f"unsupported architecture {arch!r}; supported: Llama, Mistral, Qwen2, Qwen3")
+def llama_variant(config: PretrainedConfig) -> DecoderVariant:
+    """Llama 2/3, SmolLM2, Mistral: biases only where the config asks for them."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
+def qwen2_variant(config: PretrainedConfig) -> DecoderVariant:
+    return DecoderVariant(qkv_bias=True)
+
+
+def qwen3_variant(config: PretrainedConfig) -> DecoderVariant:
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderVariant(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add before it (``norm(x, residual)`` adds x into residual)."""
 
-    ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
+    ops: ModuleType | None = None  # a backend's fused kernels (rms_norm, add_rms_norm), set by the backend
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -85,7 +86,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding, backend: str
+        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding,
+        make_attention: AttentionFactory,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -98,7 +100,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.rotary = rotary
-        self.attn = make_attention(backend, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = make_attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
         self,
@@ -119,7 +121,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
+    ops: ModuleType | None = None  # a backend's fused kernels (silu_mul), set by the backend
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
         super().__init__()
@@ -139,10 +141,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding, backend: str
+        self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding,
+        make_attention: AttentionFactory,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, variant, rotary, backend)
+        self.self_attn = Attention(config, variant, rotary, make_attention)
         self.mlp = MLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -165,15 +168,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-# NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
-# SDPA reuses each K/V row across a tile of queries), so its attention grows with chunk x context. Up to 64-token
-# chunks, as decode steps carry them, the one call is faster than the modules plus SDPA whatever the context. So
-# are chunks of any length while their context stays within 1024 positions: a 128-token prompt beside 64 decodes
-# took 340 ms instead of 391, alone 205 instead of 218; a 1024-token prompt 2.16 s instead of 2.26. A 2048-token
-# prompt took 5.68 s instead of 5.40 through the C decoder alone; its chunks past 1024 positions keep the modules.
-CPU_DECODER_MAX_QUERY_LEN = 64
-CPU_DECODER_MAX_PREFILL_CONTEXT = 1024
-
 # HF checkpoint name -> (our fused parameter, which shard). Order of shards inside the fused weight follows the list.
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -185,24 +179,23 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
+    """Embeddings, decoder layers, final norm and LM head (sharing the embeddings' weight when the config ties them).
+    Pure layers: which kernels run them is the backend's business (``engine/backends``)."""
 
-    def __init__(self, config: PretrainedConfig, max_position: int, attention_backend: str = "torch") -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, max_position: int,
+                 make_attention: AttentionFactory) -> None:
         super().__init__()
         self.config = config
-        variant = variant_for(config)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, self.rotary, attention_backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, variant, self.rotary, make_attention) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.packed_tied_head: torch.Tensor | None = None  # the embeddings packed for the C kernels' LM head
-        self.packed_embed: torch.Tensor | None = None  # the panels the lookups read, once the fp32 table is freed
-        self.cpu_decoder: Decoder | None = None  # all layers in one C call, for decodes and short prefill chunks
-        self.greedy_head: ScreenedGreedyHead | None = None  # greedy tokens without the full fp32 logits
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -211,101 +204,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: (k, v) pools
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x, residual = self.embed(input_ids), None
-        if self.cpu_decoder is not None and (
-            meta.max_query_len <= CPU_DECODER_MAX_QUERY_LEN
-            or meta.max_prefill_seq_len <= CPU_DECODER_MAX_PREFILL_CONTEXT
-        ):
-            return self._cpu_decoder_forward(x, positions, kv_caches, meta)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden_size]
-        if self.packed_embed is None:
-            return self.embed_tokens(input_ids)
-        return cpu_kernels.embed_rows(self.packed_embed, input_ids, self.config.vocab_size)
-
-    def _cpu_decoder_forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Every token as its own paged-attention query: a prompt token at position p attends positions 0..p of
-        its request (stored before any attention runs), which is causal attention over the chunk and its prefix."""
-        if meta.num_decodes == meta.num_reqs:
-            tables, seq_lens = meta.block_tables, meta.seq_lens
-        else:
-            tables = meta.block_tables[meta.req_of_token]
-            seq_lens = (positions + 1).to(torch.int32)
-        return self.cpu_decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_tied_head is not None:
-            return cpu_kernels.linear(hidden, self.packed_tied_head, self.config.vocab_size)
-        return linear(hidden, self.embed_tokens.weight).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``compute_logits(hidden).argmax(-1)``, the same tokens, without computing the full logits where the C
-        kernels' screened head can (small batches); None where the caller must compute the logits."""
-        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
-
-    def _use_ops(self, ops: ModuleType) -> None:
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
-                module.ops = ops
-
-    def use_triton_ops(self) -> None:
-        """Norms, rotary and activation through ``kernels.fused_ops``: one launch each instead of 5-14 small torch
-        kernels (for the Triton attention backend, whose steps are made of launches)."""
-        from kernels import fused_ops  # defines kernels: after TRITON_INTERPRET is set
-
-        self._use_ops(fused_ops)
-
-    def use_cpu_kernels(self) -> None:
-        """Switches an fp32 CPU model, once its weights are loaded, to the C kernels of ``kernels/cpu``: packed
-        weights for every projection and the LM head, fused norms, rotary and activation. The attention backend
-        ("cpu") is chosen at construction."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu_kernels(pack_head if module is self.lm_head else cpu_kernels.pack_weight_compact)
-        self._use_ops(cpu_kernels)
-        # NOTE: the lookups then read the LM head's panels where it is tied (the same values), or the embedding's own
-        # Q4/Q8 panels where it has such; either way the fp32 table is freed (113 MB for SmolLM2-135M).
-        table = self.embed_tokens.weight.detach()
-        if self.lm_head is None:
-            self.packed_tied_head = self.packed_embed = pack_head(table)
-        else:
-            self.packed_embed = cpu_kernels.pack_weight_blocks(table)
-        if self.packed_embed is not None:
-            self.embed_tokens.weight.data = table.new_empty(0, table.shape[1])
-        head = self.packed_tied_head if self.lm_head is None else self.lm_head.packed
-        screens = head.dtype == torch.float32 and head.shape[1] % 4 == 0
-        if screens and (self.lm_head is None or self.lm_head.bias is None):
-            self.greedy_head = ScreenedGreedyHead(head, self.config.vocab_size)
-        self.cpu_decoder = self._cpu_decoder()
-
-    def _cpu_decoder(self) -> Decoder:
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        shape = DecoderShape(
-            hidden=self.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=mlp.intermediate_size, eps=self.norm.eps, scale=attn.attn.scale,
-        )
-        layers = []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            layers.append(LayerWeights(
-                input_norm=_detached(layer.input_layernorm.weight), qkv=a.qkv_proj.packed, o=a.o_proj.packed,
-                post_norm=_detached(layer.post_attention_layernorm.weight), gate_up=m.gate_up_proj.packed,
-                down=m.down_proj.packed, qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
-                gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
-                q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
-            ))
-        return Decoder(shape, layers, _detached(self.norm.weight), self.rotary.cos_cache, self.rotary.sin_cache)
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""
@@ -343,7 +248,3 @@ class LlamaForCausalLM(nn.Module):
         if target == "qkv_proj":
             return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
         return shard * self.layers[0].mlp.intermediate_size
-
-
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cdiv
 from kernels.cpu import blocks
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.c", "decoder.c", "blocks.c"))
@@ -131,7 +132,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     n, k = weight.shape
     panel = _library().hp_panel_width()
-    packed = torch.empty(-(-n // panel), k, panel, dtype=torch.float32)
+    packed = torch.empty(cdiv(n, panel), k, panel, dtype=torch.float32)
     _library().hp_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
@@ -235,7 +236,7 @@ def pack_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % 4:
         raise ValueError(f"int8 panels need in_features divisible by 4, got {k}")
     panel = _library().hp_panel_width()
-    padded = -(-n // panel) * panel
+    padded = cdiv(n, panel) * panel
     scales = torch.zeros(padded, dtype=torch.float32)
     scales[:n] = weight.abs().amax(dim=1) / 127
     quantized = torch.zeros(padded, k, dtype=torch.int8)
@@ -381,7 +382,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     _check(rows, torch.int64, "rows")
     _check(bitmask, torch.int32, "bitmask")
     batch, vocab = logits.shape
-    if logits.stride(1) != 1 or bitmask.shape != (rows.numel(), -(-vocab // 32)):
+    if logits.stride(1) != 1 or bitmask.shape != (rows.numel(), cdiv(vocab, 32)):
         raise ValueError(f"apply_token_bitmask: logits {tuple(logits.shape)} (strides {logits.stride()}), "
                          f"rows {tuple(rows.shape)} and bitmask {tuple(bitmask.shape)} do not fit")
     if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < batch:

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from kernels import cdiv
+
 GROUP = 32  # inputs per block: Q4_GROUP and Q8_GROUP in ops.c, as GGUF's
 
 
@@ -99,7 +101,7 @@ def pack_weight_q4(weight: torch.Tensor, panel_width: int) -> torch.Tensor | Non
         return None
     d, m, q = found
     groups = d.shape[1]
-    panels, vectors = -(-d.shape[0] // panel_width), panel_width // 8
+    panels, vectors = cdiv(d.shape[0], panel_width), panel_width // 8
     # q [column = 8 v + lane, group, 8 g + 2 b + h] -> [group, g, v, lane, byte b]: nibble h of byte b is k = 2 b + h
     q = _padded(q, panels, panel_width).view(panels, vectors, 8, groups, GROUP // 8, 4, 2).permute(0, 3, 4, 1, 2, 5, 6)
     nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(panels, groups, -1)
@@ -116,7 +118,7 @@ def pack_weight_q8(weight: torch.Tensor, panel_width: int) -> torch.Tensor | Non
         return None
     d, q = found
     groups = d.shape[1]
-    panels, vectors = -(-d.shape[0] // panel_width), panel_width // 8
+    panels, vectors = cdiv(d.shape[0], panel_width), panel_width // 8
     # q [column = 8 v + lane, group, 4 g + b] -> [group, g, v, lane, byte b]
     q = _padded(q, panels, panel_width).view(panels, vectors, 8, groups, GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
     return torch.cat([_panel_scales(d, panels, panel_width).view(torch.int8), q.reshape(panels, groups, -1)],

@@ -7,9 +7,9 @@ packings run interleaved, round by round; medians in ms. Each point includes the
 (120 of them); the C decoder makes none. ``--head``: one 576 -> 49152 weight instead (113 MB in fp32, more than
 the caches hold, so it streams too).
 
-    python -m loadtest.compact_gemm --rows 1,2,4,8,16,64            # Q4 panels
-    python -m loadtest.compact_gemm --format bf16
-    python -m loadtest.compact_gemm --format q8 --head              # the tied head of the default GGUF is Q8_0
+    python -m loadtest.lab.compact_gemm --rows 1,2,4,8,16,64            # Q4 panels
+    python -m loadtest.lab.compact_gemm --format bf16
+    python -m loadtest.lab.compact_gemm --format q8 --head              # the tied head of the default GGUF is Q8_0
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ import argparse
 import statistics
 import time
 
-# isort: off
-import engine  # noqa: F401  (before torch: it sets the OpenMP policy torch reads when it loads)
 import torch
 
-# isort: on
 from kernels import cpu
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer

@@ -1,7 +1,7 @@
 """Benchmark of the paged decode kernel on a GPU: time per call, achieved GB/s and the fraction of the device's
 measured read bandwidth, beside the torch path (gather by block table + SDPA) the CPU engine uses.
 
-    python -m kernels.bench [--dtype bfloat16] [--block-size 16] [--save results.json]
+    python -m loadtest.lab.decode_kernel [--dtype bfloat16] [--block-size 16] [--save results.json]
 
 Shapes (issue 3): batch {1, 8, 64} x context {512, 2k, 8k}, 32 query / 8 KV heads, head_dim 128.
 Bytes counted are the K and V actually read: batch x context x kv_heads x head_dim x 2 x dtype size.
@@ -51,14 +51,14 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtest.lab.decode_kernel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("kernels.bench needs a CUDA GPU (the CPU runs these kernels only under the slow interpreter)")
+        sys.exit("loadtest.lab.decode_kernel needs a CUDA GPU (a CPU runs the kernels only in the slow interpreter)")
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     heads, kv_heads, head_dim, bs = 32, 8, 128, args.block_size

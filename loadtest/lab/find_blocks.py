@@ -6,8 +6,8 @@ super-blocks (gguf has no Q4_K quantizer), so many of its blocks reach neither q
 case; F32 is a checkpoint off every grid. Medians of the rounds, in ns per weight, beside what gguf's
 dequantization of the same weight took.
 
-    python -m loadtest.find_blocks
-    python -m loadtest.find_blocks --rows 4096 --cols 4096 --rounds 5
+    python -m loadtest.lab.find_blocks
+    python -m loadtest.lab.find_blocks --rows 4096 --cols 4096 --rounds 5
 """
 
 from __future__ import annotations
@@ -16,12 +16,8 @@ import argparse
 import statistics
 import time
 
-# isort: off
-import engine  # noqa: F401  (before torch: it sets the OpenMP policy torch reads when it loads)
 import numpy as np
 import torch
-
-# isort: on
 from gguf import GGMLQuantizationType, quants
 
 from kernels.cpu import blocks
@@ -47,7 +43,7 @@ def find(weight: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.find_blocks", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtest.lab.find_blocks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=4096, help="a multiple of 256 (a Q4_K super-block)")

@@ -5,7 +5,7 @@ kernels and loading GEMM kernels; the engine's start-up warm-up (``EngineCore._w
 before the first user. Each burst is ``--prompt-len``-token random prompts served to ``--max-tokens`` new tokens
 through ``LLM.generate``, timed end to end; the Triton cache's entry count shows where a compile happened.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python -m loadtest.first_bursts --device cuda --dtype bfloat16
+    TRITON_CACHE_DIR=$(mktemp -d) python -m loadtest.lab.first_bursts --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import random
 import time
 from pathlib import Path
 
-# isort: off
-from engine import LLM, SamplingParams  # before torch: it sets the OpenMP policy torch reads when it loads
 import torch
 
-# isort: on
+from engine import LLM, SamplingParams
 
 
 def triton_cache_entries() -> int:

@@ -4,8 +4,8 @@ inside the step loop ("inline": the request waits for it in ``add_request``, as 
 thread) or beside it ("thread": the engine's way), the two alternating round by round, each round with a fresh
 schema so that xgrammar's cache never answers.
 
-    python -m loadtest.grammar_compile                         # 16 plain streams, an optional bounded string
-    python -m loadtest.grammar_compile --batch 1,16 --rounds 5
+    python -m loadtest.lab.grammar_compile                         # 16 plain streams, an optional bounded string
+    python -m loadtest.lab.grammar_compile --batch 1,16 --rounds 5
 
 Per variant, medians over the rounds: the plain streams' step-to-step gap before the join and the longest one after
 it (a stream's worst inter-token latency), the median gap while the compile ran, and the grammar request's time

@@ -7,11 +7,11 @@ layer has its own weights, which therefore stream from DRAM; the attention reads
 tables, and a layer's worth of weights streams through the caches between two layers' calls, so its blocks come
 from DRAM too.
 
-    python -m loadtest.kernel_ab HEAD~1 HEAD                       # a commit against its parent
-    python -m loadtest.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
-    python -m loadtest.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
-    python -m loadtest.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
-    python -m loadtest.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
+    python -m loadtest.lab.kernel_ab HEAD~1 HEAD                       # a commit against its parent
+    python -m loadtest.lab.kernel_ab HEAD "HEAD -DKC=256"               # the same source with a macro overridden
+    python -m loadtest.lab.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
+    python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
+    python -m loadtest.lab.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cdiv
 from kernels.cpu import (
     _FLAGS,
     _HEADERS,
@@ -44,9 +45,9 @@ from kernels.cpu import (
     find_compiler,
     pack_weight_compact,
 )
-from loadtest.compact_gemm import GRIDS
+from loadtest.lab.compact_gemm import GRIDS
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Pool:
 
     @classmethod
     def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator, kv_dtype: torch.dtype) -> Pool:
-        per_seq = -(-context // s.block_size)
+        per_seq = cdiv(context, s.block_size)
         blocks = seqs * per_seq
         shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
         k = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(s.layers)]

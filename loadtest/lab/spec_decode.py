@@ -5,9 +5,9 @@ Two workloads: ``random`` (the serving benchmark's random-token prompts, ``ignor
 and ``chat`` (instructions over this repository's own text and code, chat template, stopping at EOS). Prints output
 tok/s both ways, the speed-up, and the share of drafts accepted; the tokens must be identical both ways.
 
-    python -m loadtest.spec_decode
-    python -m loadtest.spec_decode --speculative-config '{"num_speculative_tokens": 3}' --workloads chat
-    python -m loadtest.spec_decode --workloads random --num-prompts 16 --batch   # 16 requests at once
+    python -m loadtest.lab.spec_decode
+    python -m loadtest.lab.spec_decode --speculative-config '{"num_speculative_tokens": 3}' --workloads chat
+    python -m loadtest.lab.spec_decode --workloads random --num-prompts 16 --batch   # 16 requests at once
 """
 
 from __future__ import annotations

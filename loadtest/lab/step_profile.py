@@ -6,15 +6,15 @@ Each batch of requests (random 128-token prompts, greedy, ``ignore_eos``) is pre
 that path run in numpy and show up in "other"). "other" is the rest of the step: Python, scheduling, input
 preparation and sampling.
 
-On the cpu backend a decode-only step runs every layer in one C call (``model.cpu_decoder``), which the timers
+On the cpu backend a decode-only step runs every layer in one C call (``CpuBackend.decoder``), which the timers
 cannot see into; its families are therefore measured over as many further steps through the per-module path
 (the same kernels, one Python call each), whose own step time is printed beside them. A last table times, per
 batch, a step that also carries a fresh prompt's first chunk, through that one C call and through the modules
 (which run it with torch's SDPA), alternating. On CUDA the same tables set CUDA-graph replays against eager steps,
 for decode steps and for those mixed steps.
 
-    python -m loadtest.step_profile                              # the default (cpu) path
-    python -m loadtest.step_profile --attention-backend torch    # the plain-torch path, for comparison
+    python -m loadtest.lab.step_profile                              # the default (cpu) path
+    python -m loadtest.lab.step_profile --attention-backend torch    # the plain-torch path, for comparison
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-# isort: off
-from engine import LLM, SamplingParams  # before torch: it sets the OpenMP policy torch reads when it loads
 import torch
 
-# isort: on
-from engine.models import llama
-from engine.models.greedy_head import MAX_ROWS
+from engine import LLM, SamplingParams
+from engine.backends import cpu as cpu_backend
+from engine.backends.greedy_head import MAX_ROWS
 from kernels import cpu as cpu_kernels
 
 _KERNELS = ("linear", "paged_decode_attention", "add_rms_norm", "rms_norm", "rotary_", "silu_mul", "store_kv",
@@ -57,18 +55,18 @@ def _timed_kernels(totals: dict[str, float]) -> None:
 def _measure(llm: LLM, steps: int, totals: dict[str, float], use_profiler: bool) -> tuple[float, float]:
     """Mean seconds per step over ``steps`` steps, and over the pass that filled ``totals`` with per-family
     seconds (a second pass, so neither the profiler nor the kernel timers weigh on the first figure)."""
-    engine, model = llm.engine, llm.engine.model
+    engine, backend = llm.engine, llm.engine.backend
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     elapsed = time.perf_counter() - start
     totals.clear()
     if not use_profiler:
-        decoder, model.cpu_decoder = model.cpu_decoder, None  # the per-module path, where the timers see
+        decoder, backend.decoder = backend.decoder, None  # the per-module path, where the timers see
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        model.cpu_decoder = decoder
+        backend.decoder = decoder
         return elapsed / steps, (time.perf_counter() - start) / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -81,33 +79,33 @@ def _measure(llm: LLM, steps: int, totals: dict[str, float], use_profiler: bool)
 def _head_ab(llm: LLM, steps: int) -> tuple[float, float]:
     """Mean seconds per decode step with the screened greedy head and with the full LM head, alternating step by
     step so both see the same machine."""
-    engine, model = llm.engine, llm.engine.model
-    head, times = model.greedy_head, ([], [])
+    engine, backend = llm.engine, llm.engine.backend
+    head, times = backend.greedy_head, ([], [])
     for i in range(2 * steps):
-        model.greedy_head = head if i % 2 == 0 else None
+        backend.greedy_head = head if i % 2 == 0 else None
         start = time.perf_counter()
         engine.step()
         times[i % 2].append(time.perf_counter() - start)
-    model.greedy_head = head
+    backend.greedy_head = head
     return sum(times[0]) / steps, sum(times[1]) / steps
 
 
 def _paths(llm: LLM) -> tuple[Callable[[bool], None], str, str] | None:
     """A switch between the engine's fast path for small steps and the one it replaces, with their names: the
-    one-call C decoder or the modules (through ``CPU_DECODER_MAX_PREFILL_CONTEXT``), CUDA graphs or eager steps."""
+    one-call C decoder or the modules (through ``DECODER_MAX_PREFILL_CONTEXT``), CUDA graphs or eager steps."""
     engine = llm.engine
-    if engine.model.cpu_decoder is not None:
-        limit = llama.CPU_DECODER_MAX_PREFILL_CONTEXT
+    if getattr(engine.backend, "decoder", None) is not None:
+        limit = cpu_backend.DECODER_MAX_PREFILL_CONTEXT
 
         def use_decoder(fast: bool) -> None:
-            llama.CPU_DECODER_MAX_PREFILL_CONTEXT = limit if fast else 0
+            cpu_backend.DECODER_MAX_PREFILL_CONTEXT = limit if fast else 0
 
         return use_decoder, "C decoder", "modules"
-    graphs = engine.model_runner.graphs
+    graphs = getattr(engine.backend, "graphs", None)
     if graphs is not None:
 
         def use_graphs(fast: bool) -> None:
-            engine.model_runner.graphs = graphs if fast else None
+            engine.backend.graphs = graphs if fast else None
 
         return use_graphs, "CUDA graphs", "eager"
     return None
@@ -162,7 +160,7 @@ def _row(label: str, step_s: float, totals: dict[str, float], steps: int, top: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.step_profile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtest.lab.step_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
@@ -175,11 +173,11 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(args.model, attention_backend=args.attention_backend, num_threads=args.num_threads)
     engine = llm.engine
-    use_profiler = engine.attention_backend != "cpu"
+    use_profiler = engine.backend.name != "cpu"
     totals: dict[str, float] = defaultdict(float)
     if not use_profiler:
         _timed_kernels(totals)
-    print(f"backend {engine.attention_backend}; ms per step; families: ms per step\n")
+    print(f"backend {engine.backend.name}; ms per step; families: ms per step\n")
     print("| step | ms | where it goes (ms) |\n|---|---|---|")
     # Long enough to outlast the prefill of the whole batch; aborted once measured.
     greedy = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
@@ -197,11 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         assert engine.scheduler.num_running == batch, "the batch must still be whole while it is measured"
         step_s, split_s = _measure(llm, args.steps, totals, use_profiler)
         print(_row(f"decode, batch {batch}", step_s, totals, args.steps, args.top, split_s))
-        if engine.model.greedy_head is not None and batch <= MAX_ROWS:
+        if getattr(engine.backend, "greedy_head", None) is not None and batch <= MAX_ROWS:
             screened, full = _head_ab(llm, args.steps)
             head_rows.append(f"| {batch} | {screened * 1000:.1f} | {full * 1000:.1f} |")
         if paths is not None:
-            if engine.model_runner.graphs is not None:
+            if getattr(engine.backend, "graphs", None) is not None:
                 fast, other = _decode_ab(llm, args.steps, paths[0])
                 decode_rows.append(f"| {batch} | {fast * 1000:.2f} | {other * 1000:.2f} |")
             if batch < engine.config.max_num_seqs:  # else the fresh prompt waits: no mixed step to time
@@ -216,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.step()
     step_s = split_s = time.perf_counter() - start
     # the families come from a second prompt of their own: through the profiler, or through the modules where the
-    # timed step ran in one C call (prompts within CPU_DECODER_MAX_PREFILL_CONTEXT)
+    # timed step ran in one C call (prompts within DECODER_MAX_PREFILL_CONTEXT)
     engine.add_request("prefill-1", [(3000 + 7 * j) % vocab for j in range(args.prompt_len)], one)
     if use_profiler:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -224,12 +222,12 @@ def main(argv: list[str] | None = None) -> None:
         for event in prof.key_averages():
             totals[event.key] += event.self_cpu_time_total / 1e6
     else:
-        decoder, engine.model.cpu_decoder = engine.model.cpu_decoder, None
+        decoder, engine.backend.decoder = getattr(engine.backend, "decoder", None), None
         totals.clear()
         start = time.perf_counter()
         engine.step()
         split_s = time.perf_counter() - start
-        engine.model.cpu_decoder = decoder
+        engine.backend.decoder = decoder
     print(_row(f"prefill, {args.prompt_len} tokens", step_s, totals, 1, args.top, split_s))
     while engine.has_unfinished_requests():
         engine.step()

@@ -2,8 +2,8 @@
 JSON schema, the two alternating round by round (this machine kind drifts by tens of percent within minutes), and
 the grammar's own parts: compiling a schema, filling a row's mask, applying the masks of a batch.
 
-    python -m loadtest.structured_output                       # batches of 1, 16 and 64, greedy
-    python -m loadtest.structured_output --batch 16 --temperature 0.8 --rounds 5
+    python -m loadtest.lab.structured_output                       # batches of 1, 16 and 64, greedy
+    python -m loadtest.lab.structured_output --batch 16 --temperature 0.8 --rounds 5
 
 A step is counted once every row of the batch is decoding; "ms/step" is the median of those steps. The two
 workloads' outputs differ in length, so their contexts differ too: "context" is the mean over the counted steps.
@@ -15,11 +15,9 @@ import argparse
 import statistics
 import time
 
-# isort: off
-from engine import LLM, SamplingParams, StructuredOutputsParams  # before torch: it sets the OpenMP policy
 import torch
 
-# isort: on
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.structured_output import apply_bitmask, new_bitmask
 
 SCHEMA = {

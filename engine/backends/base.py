@@ -1,0 +1,119 @@
+"""The backend interface, and the plain-torch backend that implements it on any device.
+
+A backend is everything that differs between devices and kernel sets, decided once when the engine starts:
+- the attention over the paged pool;
+- how weights are packed and which kernels run the layers;
+- fused ops and thread settings;
+- how a step is run (eagerly, from a captured graph, in one C call);
+- what the engine is sized with (step token budget, KV pool bytes);
+- what is tuned or warmed up before the first request.
+
+The engine core, the runner and the model never ask which device or kernel set they are on; they ask the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.backends.start_up import WARM_UP_PROMPT_LEN, size_cpu_token_budget, warm_up_bursts
+from engine.config import EngineConfig
+from engine.kv_cache import available_memory
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+    from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
+# Prompt tokens a CPU step may carry per decode in it, a waiting request counting as one. A prompt arriving beside
+# running streams then enters in pieces that lengthen their steps by a bounded fraction, instead of one ~0.6 s step
+# that stalls all of them (docs/benchmarks.md).
+DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE = 2.0
+
+
+class TorchBackend:
+    """Plain torch on any device: the reference the other backends are checked against, and the fallback where
+    their kernels cannot run (no C compiler, an unsupported dtype). Subclasses override what they do their own way.
+    """
+
+    name = "torch"
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run ``dtype`` on ``device``, or None if it can."""
+        return None
+
+    # ---- what the engine is sized with --------------------------------------------------------------------------
+    def max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The step's token budget unless the user set one. NOTE: on a CPU a step past ~16 tokens costs 1.5-4 ms per
+        token of a 135M model on the 2-core development machines, so 256 to start with (a CPU backend may resize it
+        once it has timed the machine, ``warm_up``); GPU steps are cheap and launch-bound."""
+        return 256 if self.device.type == "cpu" else max(8192, min(max_model_len, 16384))
+
+    def prefill_tokens_per_decode(self) -> float | None:
+        """The scheduler's cap on prompt tokens per decode in a step (``Scheduler.prefill_budget``); None: no cap.
+        A CPU step is compute-bound, so a prompt entering beside running streams is taken in small pieces; GPU steps
+        are launch-bound and keep the whole budget."""
+        if self.config.prefill_tokens_per_decode is not None:
+            return self.config.prefill_tokens_per_decode or None
+        return DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE if self.device.type == "cpu" else None
+
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's budget: ``kv_cache_memory`` as bytes or a fraction of what is free now, else a default."""
+        memory = self.config.kv_cache_memory
+        if memory is None:
+            if self.device.type == "cuda":
+                return int(available_memory(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
+            return min(DEFAULT_CPU_KV_CACHE_BYTES, available_memory(self.device) // 2)
+        if isinstance(memory, float):
+            return int(available_memory(self.device) * memory)
+        return int(memory)
+
+    # ---- the model ----------------------------------------------------------------------------------------------
+    def check_shapes(self, block_size: int, head_dim: int) -> None:
+        """Raise ValueError if this backend's kernels cannot run these shapes."""
+
+    def make_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
+
+    def prepare(self, model: LlamaForCausalLM) -> None:
+        """Once the weights are loaded (in the engine's dtype): pack them for this backend's kernels."""
+
+    def bind(self, engine: EngineCore) -> None:
+        """Once the KV pool and the step budget exist: anything built over them (captured graphs)."""
+
+    def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of one step; host tensors in."""
+        dev = self.device
+        return model(input_ids.to(dev), positions.to(dev), kv_caches, meta.to(dev))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(-1)`` without the full logits where this backend can; None where the
+        caller must compute the logits."""
+        return None
+
+    def warm_up(self, engine: EngineCore) -> None:
+        """Before the first request: tune what depends on the machine, compile and load what the first steps need
+        (``start_up.py``): a CPU's step budget, unless the user set one; a GPU's eager kernels."""
+        if self.device.type == "cpu" and self.config.max_num_batched_tokens is None:
+            size_cpu_token_budget(engine)
+        elif self.device.type == "cuda":
+            warm_up_bursts(engine, smallest=min(WARM_UP_PROMPT_LEN, engine.max_model_len - 2))
+
+    def describe(self) -> str:
+        return f"{self.name} backend"
+

@@ -1,0 +1,171 @@
+"""fp32 on a CPU through Harpoon's C kernels (``kernels/cpu``).
+
+What it does with a model (``prepare``):
+- every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16 where
+  the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
+- the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
+  is kept beside them;
+- norms, rotary and SiLU-mul run as fused C kernels;
+- steps of short queries, or of prompt chunks within ``DECODER_MAX_PREFILL_CONTEXT`` positions, run every layer
+  in one C call (``kernels/cpu/decoder.py``); other steps go through the model's modules and torch's flash SDPA;
+- greedy steps of up to 8 rows take their tokens from a screened int8 copy of an fp32 LM head (``greedy_head.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.backends.base import TorchBackend
+from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
+from engine.models.linear import Linear
+from engine.models.llama import MLP, RMSNorm
+from engine.models.rotary import RotaryEmbedding
+from kernels import cpu as cpu_kernels
+from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+
+# NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
+# SDPA reuses each K/V row across a tile of queries), so its attention grows with chunk x context. Chunks of up to
+# 64 tokens, as decode steps carry them, and chunks of any length within the first 1024 positions are faster in
+# the one call (docs/benchmarks.md); deeper long chunks keep the modules.
+DECODER_MAX_QUERY_LEN = 64
+DECODER_MAX_PREFILL_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear layer's product over its packed panels (``Linear.kernel``)."""
+
+    packed: torch.Tensor  # [panels, K, P] in one of kernels.cpu.WEIGHT_FORMATS
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_kernels.linear(x, self.packed, self.out_features, bias)
+
+
+@dataclass(frozen=True)
+class PackedEmbedding:
+    """Token lookups read from a weight's packed panels (``VocabEmbedding.kernel``)."""
+
+    packed: torch.Tensor
+    num_rows: int
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.embed_rows(self.packed, input_ids, self.num_rows)
+
+
+class CpuAttention(TorchAttention):
+    """The C kernels store K/V and attend the decodes straight from the pages (no per-layer gather); prefill chunks
+    keep torch's flash attention, which is faster for long queries."""
+
+    def store(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    ) -> None:
+        nd = q.shape[0]
+        cpu_kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out
+        )
+
+
+class CpuBackend(TorchBackend):
+    """Owns the packed model's C-side state: the one-call decoder and the screened greedy head."""
+
+    name = "cpu"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.decoder: Decoder | None = None
+        self.greedy_head: ScreenedGreedyHead | None = None
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cpu" or dtype != torch.float32:
+            return "the cpu backend (C kernels) runs float32 on a CPU only"
+        if not cpu_kernels.available():
+            return "the cpu backend needs a C compiler (cc/gcc, or $CC) to build kernels/cpu"
+        return None
+
+    def make_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
+        return CpuAttention(num_heads, num_kv_heads, head_dim, scale)
+
+    def prepare(self, model: LlamaForCausalLM) -> None:
+        vocab = model.config.vocab_size
+        for module in model.modules():
+            if isinstance(module, Linear) and module is not model.lm_head:
+                module.kernel = PackedLinear(cpu_kernels.pack_weight_compact(module.release_weight()),
+                                             module.out_features)
+            elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
+                module.ops = cpu_kernels
+        head = pack_head(model.lm_head.release_weight())
+        model.lm_head.kernel = PackedLinear(head, vocab)
+        # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own Q4/Q8
+        # panels where it has such; either way the fp32 table is freed (113 MB for SmolLM2-135M).
+        embed = model.embed_tokens
+        lookup = head if model.tie_word_embeddings else cpu_kernels.pack_weight_blocks(embed.weight.detach())
+        if lookup is not None:
+            embed.kernel = PackedEmbedding(lookup, vocab)
+            embed.weight.data = embed.weight.data.new_empty(0, embed.embedding_dim)
+        if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
+            self.greedy_head = ScreenedGreedyHead(head, vocab)
+        self.decoder = _decoder(model)
+
+    def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Through the one-call decoder where it is faster, as a query per token: a prompt token at position p
+        attends positions 0..p of its request (stored before any attention runs), which is causal attention over
+        the chunk and its prefix."""
+        if self.decoder is None or (meta.max_query_len > DECODER_MAX_QUERY_LEN
+                                    and meta.max_prefill_seq_len > DECODER_MAX_PREFILL_CONTEXT):
+            return super().forward(model, input_ids, positions, kv_caches, meta)
+        if meta.num_decodes == meta.num_reqs:
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            tables = meta.block_tables[meta.req_of_token]
+            seq_lens = (positions + 1).to(torch.int32)
+        x = model.embed_tokens(input_ids)
+        return self.decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
+
+    def describe(self) -> str:
+        return "cpu backend (C kernels)"
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _packed(layer: Linear) -> torch.Tensor:
+    return layer.kernel.packed
+
+
+def _decoder(model: LlamaForCausalLM) -> Decoder:
+    """The model's packed layers, described for the one-call C decoder."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    shape = DecoderShape(
+        hidden=model.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim, intermediate=mlp.intermediate_size, eps=model.norm.eps, scale=attn.attn.scale,
+    )
+    layers = []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            input_norm=_detached(layer.input_layernorm.weight), qkv=_packed(a.qkv_proj), o=_packed(a.o_proj),
+            post_norm=_detached(layer.post_attention_layernorm.weight), gate_up=_packed(m.gate_up_proj),
+            down=_packed(m.down_proj), qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
+            gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
+            q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
+        ))
+    return Decoder(shape, layers, _detached(model.norm.weight), model.rotary.cos_cache, model.rotary.sin_cache)
