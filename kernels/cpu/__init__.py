@@ -80,8 +80,10 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
+    "hp_bf16_native": [],
+    "hp_set_bf16_emulation": [_c_int],
 }
-_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int}
+_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -137,8 +139,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels
-WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4}
+# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, and
+# BF16C panels (int16: the BF16 layout, computed in bfloat16)
+WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5}
 # enum hp_kv_format (ops.h) of each K/V pool dtype
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -180,6 +183,33 @@ def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
         pairs = high.view(panels, k // 2, 2, width).transpose(2, 3).contiguous()
         return pairs.view(torch.bfloat16).view(panels, k, width)
     return full
+
+
+def pack_weight_bf16c(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (bfloat16, or wider and rounded to it, nearest even) as BF16C panels: int16 [ceil(N / P), K,
+    P] in the BF16 panel layout (two consecutive k of one column per 32-bit lane), which ``linear`` computes in
+    bfloat16 (the activations rounded too, the products summed in fp32). K must be even. Packed panel by panel, so
+    a bfloat16 weight never has an fp32 copy."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"BF16C panels need an even in_features, got {k}")
+    width = _library().hp_panel_width()
+    bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
+    panels = torch.zeros(cdiv(n, width) * width, k, dtype=torch.int16)
+    panels[:n] = bits
+    # [panels, P, K/2, 2] -> [panels, K/2, P, 2]: each 32-bit lane holds k and k + 1 of one column
+    pairs = panels.view(-1, width, k // 2, 2).transpose(1, 2).contiguous()
+    return pairs.view(-1, k, width)
+
+
+def bf16_native() -> bool:
+    """Whether this build computes BF16C panels with avx512_bf16's dot product (else the FMAs with the same bits)."""
+    return bool(_library().hp_bf16_native())
+
+
+def set_bf16_emulation(on: bool) -> None:
+    """Compute BF16C panels with the portable FMAs even where avx512_bf16 is present (tests compare the bits)."""
+    _library().hp_set_bf16_emulation(int(on))
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:

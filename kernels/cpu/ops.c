@@ -4,8 +4,8 @@
  * and its decode attention must first gather every request's KV blocks into a contiguous copy per layer. These
  * kernels read the paged pool in place and stream the weights of a skinny matmul exactly once.
  *
- * Plain C with GCC vector extensions (8 floats, one AVX2 register) and OpenMP; no intrinsics, so it builds with
- * -march=native on any x86-64 or ARM host. Every pointer is fp32 and contiguous unless a stride or a format argument
+ * Plain C with GCC vector extensions (8 floats, one AVX2 register) and OpenMP, so it builds with -march=native on
+ * any x86-64 or ARM host; the one intrinsic (avx512_bf16's dot product) has a portable twin with the same bits. Every pointer is fp32 and contiguous unless a stride or a format argument
  * says otherwise.
  */
 #include <math.h>
@@ -15,6 +15,15 @@
 #include <string.h>
 
 #include "ops.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HP_NATIVE_BF16 1 /* vdpbf16ps: 16 bfloat16 products summed per 8 lanes per instruction */
+#else
+#define HP_NATIVE_BF16 0
+#endif
 
 static inline v8f load8(const float *p) { return *(const v8f *)p; }
 static inline void store8(float *p, v8f v) { *(v8f *)p = v; } /* unaligned, straight from the register */
@@ -392,6 +401,182 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     LINEAR_LOOP(bias, 0, F32_PANELS)
 }
 
+/* ---- BF16C: a bfloat16 model's products, computed in bfloat16 ---------------------------------------------------
+ * The weights are BF16 panels (two consecutive k of a column per 32-bit lane, the even k in the low half); the
+ * activations are rounded to bfloat16 (nearest even) once per call, as pairs of k in 32-bit words the same way. Each
+ * output then sums the exact products of the pairs in fp32, per pair the odd k first, as vdpbf16ps does:
+ *     c += x[2i+1] w[2i+1];  c += x[2i] w[2i]        (each product of two bfloat16 is exact in fp32)
+ * Where the compiler targets avx512_bf16 the micro-kernel is that instruction; elsewhere the same sums are FMAs on the
+ * widened values, with the same bits (but for subnormal inputs, which the instruction reads as zero). Why: twice the
+ * products per instruction of fp32 FMAs, and half the bytes of fp32 panels, with no per-step widening. The sums run
+ * in the same order whatever the number of rows, so a row's result does not depend on its batch. */
+#ifdef __AVX512F__
+#define MRB 8 /* 8 rows x 3 vectors = 24 accumulators, + 3 weight vectors + 1 broadcast: 28 of 32 registers */
+#else
+#define MRB 4
+#endif
+
+static inline v8f bf16_pair_lo(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w << 16}).f); }
+static inline v8f bf16_pair_hi(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w & 0xffff0000u}).f); }
+
+static int bf16_emulated = !HP_NATIVE_BF16; /* tests set it, to check both bodies give the same bits */
+int hp_bf16_native(void) { return HP_NATIVE_BF16; }
+void hp_set_bf16_emulation(int on) { bf16_emulated = on || !HP_NATIVE_BF16; }
+
+/* The activations of a BF16C product, rounded to bfloat16 and packed by groups of MRB rows: for group g and pair
+ * kp (k = 2 kp, 2 kp + 1), the MRB rows' pairs side by side as 32-bit words, the even k in the low half:
+ *     a[(g * K/2 + kp) * MRB + i] = (bf16(x[g MRB + i][2 kp + 1]) << 16) | bf16(x[g MRB + i][2 kp])
+ * so a micro-kernel broadcasts each row's pair from one base address. Rows past M are zero. */
+static void pack_rows_bf16(const float *x, int64_t ldx, uint32_t *a, int M, int K) {
+    const int groups = (M + MRB - 1) / MRB, pairs = K / 2;
+#pragma omp parallel for schedule(static) if ((int64_t)M * K >= 65536)
+    for (int g = 0; g < groups; g++) {
+        uint32_t *ag = a + (int64_t)g * pairs * MRB;
+        for (int i = 0; i < MRB; i++) {
+            const int m = g * MRB + i;
+            if (m >= M) {
+                for (int kp = 0; kp < pairs; kp++) ag[(int64_t)kp * MRB + i] = 0;
+                continue;
+            }
+            const float *row = x + m * ldx;
+            for (int kp = 0; kp < pairs; kp++) {
+                uint32_t lo, hi;
+                memcpy(&lo, row + 2 * kp, sizeof lo);
+                memcpy(&hi, row + 2 * kp + 1, sizeof hi);
+                lo = (lo & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : (lo + 0x7fff + ((lo >> 16) & 1)) >> 16;
+                hi = (hi & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : (hi + 0x7fff + ((hi >> 16) & 1)) >> 16;
+                ag[(int64_t)kp * MRB + i] = (hi << 16) | lo;
+            }
+        }
+    }
+}
+
+/* y[rows, cols] (+)= a[rows, kc] . panel[kc, NR], a one group of packed activations from its first pair of this k
+ * block: the same store / add / bias steps as micro_kernel. ``native``: the dot-product instruction, else its FMA
+ * twin (a compile-time constant in each instance). */
+static inline __attribute__((always_inline)) void micro_kernel_bf16c(int rows, const uint32_t *a, const void *panel,
+                                                                     int kc, float *y, int64_t ldy, int cols,
+                                                                     const float *bias, int first, int native) {
+    v8f c[MRB][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MRB; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
+    for (int k = 0; k < kc; k += 2) {
+        const v8iu *words = (const v8iu *)((const char *)panel + (int64_t)k * NR * 2);
+        const uint32_t *ak = a + (int64_t)(k / 2) * MRB;
+        v8i w[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) w[v] = words[v];
+#if HP_NATIVE_BF16
+        if (native) {
+#pragma GCC unroll 8
+            for (int i = 0; i < MRB; i++) {
+                if (i >= rows) break;
+                const __m256bh ai = (__m256bh)_mm256_set1_epi32((int)ak[i]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) c[i][v] = (v8f)_mm256_dpbf16_ps((__m256)c[i][v], ai, (__m256bh)w[v]);
+            }
+            continue;
+        }
+#endif
+#pragma GCC unroll 8
+        for (int i = 0; i < MRB; i++) {
+            if (i >= rows) break;
+            const v8f odd = bf16_pair_hi(ak[i]), even = bf16_pair_lo(ak[i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                c[i][v] += odd * bf16_lane(w[v], 1);
+                c[i][v] += even * bf16_lane(w[v], 0);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MRB; i++) {
+        if (i >= rows) break;
+        float *yi = y + i * ldy;
+        if (cols == NR && !bias) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) store8(yi + 8 * v, first ? c[i][v] : load8(yi + 8 * v) + c[i][v]);
+        } else {
+            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* Rows m0..m1 (m0 a multiple of MRB) of one panel's product for one k block, a group of MRB rows at a time. */
+static inline __attribute__((always_inline)) void panel_rows_bf16c(int m0, int m1, const uint32_t *a, int pairs,
+                                                                   int kp0, const void *panel, int kc, float *y,
+                                                                   int64_t ldy, int cols, const float *b, int first,
+                                                                   int native) {
+    for (int m = m0; m < m1; m += MRB) {
+        const uint32_t *ag = a + ((int64_t)(m / MRB) * pairs + kp0) * MRB;
+        float *ym = y + m * ldy;
+        switch (m1 - m < MRB ? m1 - m : MRB) {
+#define ROWS(r) \
+    case r: micro_kernel_bf16c(r, ag, panel, kc, ym, ldy, cols, b, first, native); break;
+            ROWS(1) ROWS(2) ROWS(3)
+#if MRB > 4
+            ROWS(4) ROWS(5) ROWS(6) ROWS(7)
+#endif
+#undef ROWS
+        default: micro_kernel_bf16c(MRB, ag, panel, kc, ym, ldy, cols, b, first, native); break;
+        }
+    }
+}
+
+/* Panel p of a BF16C product for rows m0..m1, every k block; ``native`` constant per instance. */
+static inline __attribute__((always_inline)) void panel_product_bf16c(int p, int m0, int m1, const uint32_t *a,
+                                                                      const void *packed, const float *bias, float *y,
+                                                                      int64_t ldy, int N, int K, int native) {
+    int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, BF16_PANELS);
+        int kc = K - k0 < KC ? K - k0 : KC, last = k0 + KC >= K;
+        panel_rows_bf16c(m0, m1, a, K / 2, k0 / 2, panel, kc, y + n0, ldy, cols, bias && last ? bias + n0 : 0,
+                         k0 == 0, native);
+    }
+}
+
+static __attribute__((noinline)) void panel_product_bf16c_native(int p, int m0, int m1, const uint32_t *a,
+                                                                 const void *packed, const float *bias, float *y,
+                                                                 int64_t ldy, int N, int K) {
+    panel_product_bf16c(p, m0, m1, a, packed, bias, y, ldy, N, K, 1);
+}
+
+static __attribute__((noinline)) void panel_product_bf16c_fma(int p, int m0, int m1, const uint32_t *a,
+                                                              const void *packed, const float *bias, float *y,
+                                                              int64_t ldy, int N, int K) {
+    panel_product_bf16c(p, m0, m1, a, packed, bias, y, ldy, N, K, 0);
+}
+
+/* hp_linear_packed for BF16C panels (K even). The packed activations live in a buffer of the calling thread, grown
+ * as needed and kept: a decode step calls this ~4 times a layer. Row blocks (multiples of MRB) stay in L2. */
+static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
+                         int M, int N, int K) {
+    static __thread uint32_t *buffer = 0;
+    static __thread int64_t buffer_size = 0;
+    const int64_t need = (int64_t)((M + MRB - 1) / MRB) * MRB * (K / 2);
+    if (need > buffer_size) {
+        free(buffer);
+        buffer_size = need;
+        buffer = (uint32_t *)malloc(sizeof(uint32_t) * buffer_size);
+    }
+    uint32_t *a = buffer; /* NOTE: a local: inside the parallel loops, the threads would each see their own buffer */
+    pack_rows_bf16(x, ldx, a, M, K);
+    const int chunk = panels_per_task(M, N), block = ROW_BLOCK / MRB * MRB;
+    for (int m0 = 0; m0 < M; m0 += block) {
+        int m1 = m0 + block < M ? m0 + block : M;
+        if (!bf16_emulated) {
+#pragma omp parallel for schedule(dynamic, chunk)
+            for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);
+        } else {
+#pragma omp parallel for schedule(dynamic, chunk)
+            for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_fma(p, m0, m1, a, packed, bias, y, ldy, N, K);
+        }
+    }
+}
+
 /* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
@@ -406,6 +591,8 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, Q8_PANELS)
     } else if (format == HP_BF16) {
         LINEAR_LOOP(bias, 0, BF16_PANELS)
+    } else if (format == HP_BF16C) {
+        linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
     } else {
         hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
     }
@@ -416,6 +603,7 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
  * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 3.6 times its Q8 panels' 32 MB).
  * Returns the first t whose id is outside 0..N-1 (no row of out written from it on), or -1. */
 int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
+    if (format == HP_BF16C) format = BF16_PANELS; /* the same bytes; a lookup is the weight's bfloat16 value */
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return t;
 #pragma omp parallel for schedule(static) if (T >= 64)
@@ -547,70 +735,147 @@ static inline void prefetch_lines(const char *p, int64_t bytes) {
     for (int64_t i = 0; p && i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* The cache block holding positions p0..end of a chunk as fp32 rows, its lines loaded into this core's caches:
- * the pool's own block, or for a bfloat16 pool the block widened into `staged`. Either way it also prefetches the
- * chunk's next block, if any. NOTE: the pool is cold in a decode step (every weight streams through the caches
- * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25:
- * its few loads in flight per 8 positions left the memory idle while it computed. A plain load of every line first
- * puts them all in flight at once. With the next block prefetched under this block's arithmetic, decode attention
- * took 22-26% less time at 1-64 sequences of 192-1024 positions (python -m loadtest.kernel_ab); touching whole
- * chunks, or 2-8 blocks at a time, was no better. Where the blocks are already in L2 this costs ~40% (45 -> 65 ns a
- * position). A bfloat16 pool halves the bytes read, and the attention then took 8-20% less time than from an fp32
- * one; widening each value once here, rather than at each query head of its group, took 15-25% less than that. */
-static inline const float *stage_block(const void *cache, const int32_t *table, int p0, int end, int len,
-                                       int block_size, int64_t row, int kv_format, float *staged) {
-    const int64_t bytes = block_size * row * (kv_format == HP_KV_BF16 ? 2 : 4), used = (end - p0) * row;
+/* The cache block holding positions p0..end of a chunk, its lines loaded into this core's caches, and the chunk's
+ * next block, if any, prefetched. NOTE: the pool is cold in a decode step (every weight streams through the caches
+ * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25: its
+ * few loads in flight per 8 positions left the memory idle while it computed. A plain load of every line first puts
+ * them all in flight at once. With the next block prefetched under this block's arithmetic, decode attention took
+ * 22-26% less time at 1-64 sequences of 192-1024 positions (python -m loadtest.lab.kernel_ab); touching whole chunks,
+ * or 2-8 blocks at a time, was no better. */
+static inline const void *touch_block(const void *cache, const int32_t *table, int p0, int end, int len,
+                                      int block_size, int64_t row, int kv_format) {
+    const int64_t bytes = block_size * row * (kv_format == HP_KV_BF16 ? 2 : 4);
+    const int64_t used = (end - p0) * row * (kv_format == HP_KV_BF16 ? 2 : 4);
     const char *block = (const char *)cache + table[p0 / block_size] * bytes;
     const char *next = end < len ? (const char *)cache + table[p0 / block_size + 1] * bytes : NULL;
-    if (kv_format == HP_KV_BF16) {
-        typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-        typedef uint32_t v8u __attribute__((vector_size(32)));
-        prefetch_lines(next, bytes);
-        for (int64_t i = 0; i < used; i += 8) /* row is a multiple of 8 */
-            store8(staged + i, (v8f)(__builtin_convertvector(*(const v8h *)(block + 2 * i), v8u) << 16));
-        return staged;
-    }
     typedef uint32_t word __attribute__((may_alias));
     word sink = 0; /* integer loads, one per 64-byte line: no floating-point assist, whatever the pool holds */
-    for (int64_t i = 0; i < used * 4; i += 64) sink |= *(const word *)(block + i);
+    for (int64_t i = 0; i < used; i += 64) sink |= *(const word *)(block + i);
     volatile word keep = sink; /* the loads stay */
     (void)keep;
     prefetch_lines(next, bytes);
-    return (const float *)block;
+    return block;
+}
+
+/* Eight consecutive K/V values from element i of a pool row, as fp32: loaded, or for a bfloat16 pool widened in the
+ * register (exact). NOTE: widening each block into an fp32 copy first (the old staging) was half the attention's
+ * time: GCC split the widening into three shuffles and a store per eight values. */
+static inline v8f kv8(const void *base, int64_t i, int bf16) {
+    if (!bf16) return load8((const float *)base + i);
+#ifdef __AVX2__
+    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))),
+                                  16);
+#else
+    typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+    typedef uint32_t v8u __attribute__((vector_size(32)));
+    return (v8f)(__builtin_convertvector(*(const v8h *)((const uint16_t *)base + i), v8u) << 16);
+#endif
+}
+
+/* dot(q, row) for a K row of either format, summed exactly as dot() sums fp32 rows. */
+static inline float dot_kv(const float *q, const void *k, int n, int bf16) {
+    if (!bf16) return dot(q, (const float *)k, n);
+    v8f acc0 = {0}, acc1 = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 += load8(q + i) * kv8(k, i, 1);
+        acc1 += load8(q + i + 8) * kv8(k, i + 8, 1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 += load8(q + i) * kv8(k, i, 1);
+    return hsum8(acc0 + acc1); /* n is a multiple of 8 */
+}
+
+#ifdef __AVX512F__
+#define ATT_GT 3 /* query heads of a group per register tile: 3 x 8 accumulators + 3 + 1 of 32 registers */
+#else
+#define ATT_GT 1 /* 16 registers: one head at a time */
+#endif
+
+/* Scores of positions p .. p+7 (rows k, k + row, ...) for G <= ATT_GT query heads qg (D apart): each K vector is
+ * loaded once for all G heads. Per (head, position) the sum runs over the same 8-dim chunks and lane tree as a
+ * single head's, so the bits do not depend on the tiling. */
+static inline __attribute__((always_inline)) void score_tile(const int D, int G, const float *qg, const void *k,
+                                                             int64_t row, float *sg, int split, float scale,
+                                                             int bf16) {
+    v8f acc[ATT_GT][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < ATT_GT; g++)
+        for (int i = 0; i < 8; i++) acc[g][i] = (v8f){0};
+    for (int j = 0; j < D; j += 8) {
+        v8f qv[ATT_GT];
+#pragma GCC unroll 3
+        for (int g = 0; g < ATT_GT; g++)
+            if (g < G) qv[g] = load8(qg + g * D + j);
+        for (int i = 0; i < 8; i++) {
+            const v8f kv = kv8(k, i * row + j, bf16);
+#pragma GCC unroll 3
+            for (int g = 0; g < ATT_GT; g++)
+                if (g < G) acc[g][i] += qv[g] * kv;
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < ATT_GT; g++)
+        if (g < G) store8(sg + g * split, sum_lanes8(acc[g]) * scale);
+}
+
+/* o[g] (+)= sum over positions p0..end of s[g][p] v[p], for G <= ATT_GT query heads sharing the KV head of v, the
+ * dims d0 .. d0 + 8 DV of each: each V vector is loaded once for all G heads, and each (head, dim) sums the positions
+ * in order, as one head at a time would. */
+static inline __attribute__((always_inline)) void value_tile(const int DV, int G, const float *sg, int split,
+                                                             const void *v, int64_t row, int n, float *o,
+                                                             int64_t o_stride, int bf16) {
+    v8f acc[ATT_GT][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < ATT_GT; g++)
+        if (g < G)
+            for (int j = 0; j < DV; j++) acc[g][j] = load8(o + g * o_stride + 8 * j);
+    for (int p = 0; p < n; p++) {
+        v8f wv[ATT_GT];
+#pragma GCC unroll 3
+        for (int g = 0; g < ATT_GT; g++)
+            if (g < G) wv[g] = splat8(sg[g * split + p]);
+        for (int j = 0; j < DV; j++) {
+            const v8f vv = kv8(v, p * row + 8 * j, bf16);
+#pragma GCC unroll 3
+            for (int g = 0; g < ATT_GT; g++)
+                if (g < G) acc[g][j] += wv[g] * vv;
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < ATT_GT; g++)
+        if (g < G)
+            for (int j = 0; j < DV; j++) store8(o + g * o_stride + 8 * j, acc[g][j]);
 }
 
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
  * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V.
- * The loops go block by block and, inside a block, head by head, so each cache row (all KV heads of a position,
- * contiguous) is read whole while it is in cache. NOTE: reading one head's 256 bytes out of every 768-byte row
- * (a task per KV head) ran at a third of the memory bandwidth on the development machines (~10 GB/s of used bytes
- * vs ~30), as the lines in between were fetched anyway. Inlined with a constant head_dim (64, 128). */
+ * The loops go block by block and, inside a block, KV head by KV head, the query heads of its group a few at a
+ * time (score_tile, value_tile), so each cache row (all KV heads of a position, contiguous) is read whole while it
+ * is in cache, and each of its vectors once per tile of query heads. NOTE: reading one head's 256 bytes out of every
+ * 768-byte row (a task per KV head) ran at a third of the memory bandwidth on the development machines (~10 GB/s of
+ * used bytes vs ~30), as the lines in between were fetched anyway. Sharing each K and V vector across the heads of
+ * a group took the hot attention from one load per FMA (load-bound) to ~3 FMAs per load. Inlined with a constant
+ * head_dim (64, 128). */
 static inline __attribute__((always_inline)) void attend_chunk_d(
     const int D, int num_kv_heads, int group, const float *q, const void *k_cache, const void *v_cache,
     int64_t row, const int32_t *table, int block_size, int len, float scale, float *scores, int split,
-    float *mine, int kv_format, float *staged) {
-    const int num_heads = num_kv_heads * group;
+    float *mine, const int bf16) {
+    const int num_heads = num_kv_heads * group, kv_format = bf16 ? HP_KV_BF16 : HP_KV_F32, size = bf16 ? 2 : 4;
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const float *kb = stage_block(k_cache, table, p0, end, len, block_size, row, kv_format, staged);
-        for (int h = 0; h < num_kv_heads; h++) {
-            const float *k = kb + h * D, *qh = q + h * group * D;
-            float *sh = scores + (int64_t)h * group * split;
-            int p = p0;
-            for (; p + 8 <= end; p += 8, k += 8 * row) /* eight positions per vector of scores */
-                for (int g = 0; g < group; g++) {
-                    v8f acc[8];
-                    for (int i = 0; i < 8; i++) acc[i] = (v8f){0};
-                    for (int j = 0; j < D; j += 8) {
-                        v8f qv = load8(qh + g * D + j);
-                        for (int i = 0; i < 8; i++) acc[i] += qv * load8(k + i * row + j);
-                    }
-                    v8f sc = sum_lanes8(acc) * scale;
-                    store8(sh + g * split + p, sc);
-                }
-            for (; p < end; p++, k += row)
-                for (int g = 0; g < group; g++) sh[g * split + p] = dot(qh + g * D, k, D) * scale;
-        }
+        const char *kb = touch_block(k_cache, table, p0, end, len, block_size, row, kv_format);
+        for (int h = 0; h < num_kv_heads; h++)
+            for (int g0 = 0; g0 < group; g0 += ATT_GT) {
+                const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
+                const float *qg = q + (int64_t)(h * group + g0) * D;
+                float *sg = scores + (int64_t)(h * group + g0) * split;
+                int p = p0;
+                for (; p + 8 <= end; p += 8)
+                    score_tile(D, G, qg, kb + ((p - p0) * row + h * D) * size, row, sg + p, split, scale, bf16);
+                for (; p < end; p++)
+                    for (int g = 0; g < G; g++)
+                        sg[g * split + p] = dot_kv(qg + g * D, kb + ((p - p0) * row + h * D) * size, D, bf16) * scale;
+            }
     }
     for (int hg = 0; hg < num_heads; hg++) {
         float *sg = scores + (int64_t)hg * split, mx = max_of(sg, len), *stats = mine + hg * (D + 2);
@@ -620,33 +885,30 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     }
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const float *vb = stage_block(v_cache, table, p0, end, len, block_size, row, kv_format, staged);
-        for (int hg = 0; hg < num_heads; hg++) {
-            const float *sg = scores + (int64_t)hg * split, *v = vb + (hg / group) * D;
-            float *o = mine + hg * (D + 2) + 2;
-            v8f acc[D / 8];
-            for (int j = 0; j < D / 8; j++) acc[j] = load8(o + 8 * j);
-            for (int p = p0; p < end; p++, v += row) {
-                v8f wv = splat8(sg[p]);
-                for (int j = 0; j < D / 8; j++) acc[j] += wv * load8(v + 8 * j);
+        const char *vb = touch_block(v_cache, table, p0, end, len, block_size, row, kv_format);
+        for (int h = 0; h < num_kv_heads; h++)
+            for (int g0 = 0; g0 < group; g0 += ATT_GT) {
+                const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
+                for (int d0 = 0; d0 < D; d0 += 64) /* 64 dims (8 vectors) a tile, or what remains of the head */
+                    value_tile(D - d0 < 64 ? (D - d0) / 8 : 8, G, scores + (int64_t)hg * split + p0, split,
+                               vb + (h * D + d0) * size, row, end - p0, mine + hg * (D + 2) + 2 + d0, D + 2, bf16);
             }
-            for (int j = 0; j < D / 8; j++) store8(o + 8 * j, acc[j]);
-        }
     }
 }
 
 static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
                          const void *v_cache, int64_t row, const int32_t *table, int block_size, int len,
-                         float scale, float *scores, int split, float *mine, int kv_format, float *staged) {
-#define ATTEND(D)                                                                                                  \
+                         float scale, float *scores, int split, float *mine, int kv_format) {
+#define ATTEND(D, BF16)                                                                                            \
     attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, row, table, block_size, len, scale, scores, split, \
-                   mine, kv_format, staged)
+                   mine, BF16)
+    const int bf16 = kv_format == HP_KV_BF16;
     if (head_dim == 64)
-        ATTEND(64);
+        bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
     else if (head_dim == 128)
-        ATTEND(128);
+        bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
     else
-        ATTEND(head_dim);
+        bf16 ? ATTEND(head_dim, 1) : ATTEND(head_dim, 0);
 #undef ATTEND
 }
 
@@ -678,7 +940,6 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * (size_t)num_heads * split);
-        float *staged = kv_format == HP_KV_BF16 ? malloc(sizeof(float) * (size_t)block_size * row) : NULL;
         int s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int c = 0; c < num_chunks; c++) {
@@ -687,10 +948,9 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
             int first = (c - chunk0[s]) * split, len = seq_lens[s] - first < split ? seq_lens[s] - first : split;
             attend_chunk(head_dim, num_kv_heads, group, q + (int64_t)s * q_stride, k_cache, v_cache, row,
                          tables + (int64_t)s * table_stride + first / block_size, block_size, len, scale, scores,
-                         split, partial + (int64_t)c * part, kv_format, staged);
+                         split, partial + (int64_t)c * part, kv_format);
         }
         free(scores);
-        free(staged);
         /* merge: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c */
 #pragma omp for schedule(static)
         for (int t = 0; t < num_seqs * num_heads; t++) {
