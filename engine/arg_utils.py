@@ -54,7 +54,8 @@ _HELP = {
     "max_model_len": "longest prompt + output (default: the model's)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",
-    "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16",
+    "dtype": "auto (bf16 on CUDA; on a CPU bf16 for a bf16 checkpoint where bf16 products measure faster, else fp32), "
+    "float32, float16, bfloat16",
     "kv_cache_dtype": "auto (the model's dtype: exact), bfloat16 (twice the cached tokens in the same memory, but "
     "greedy tokens may differ from the exact pool's)",
     "device": "auto, cpu, cuda, cuda:1, ...",

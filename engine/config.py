@@ -129,12 +129,6 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            # NOTE: fp32 on CPU: these CPUs have no native bf16 and the reference (transformers) runs fp32.
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
-
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The pool's dtype for a model running in ``dtype``."""
         if self.kv_cache_dtype == "auto":

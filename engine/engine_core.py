@@ -6,13 +6,16 @@ process. Tokenization happens outside; requests arrive as token ids.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import torch
 
-from engine.backends import select_backend
+from engine.backends import resolve_dtype, select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -21,10 +24,10 @@ from engine.model_loader import eos_token_ids, iter_weights, load_config, load_t
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.llama import head_dim_of, num_kv_heads_of
-from engine.outputs import EngineCoreOutput, EngineStats
+from engine.outputs import EngineCoreOutput, EngineStats, ModelRunnerOutput, StepCounters
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
 
@@ -50,16 +53,20 @@ class EngineCore:
         # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
         self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
         self.max_model_len = self._max_model_len()
-        self.dtype = config.resolve_dtype(self.device)
+        self.dtype = resolve_dtype(config, self.device, self.hf_config)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.backend = select_backend(config, self.device, self.dtype)
         self.backend.check_shapes(config.block_size, head_dim_of(self.hf_config))
 
         started = time.monotonic()
-        with torch.device(self.device):
+        with torch.device(self.device), _default_dtype(self.dtype):  # parameters made in the dtype: no fp32 copy
             model = build_model(self.hf_config, self.max_model_len, self.backend.make_attention)
         model.load_weights(iter_weights(files))
-        self.model = model.to(self.dtype).eval()
+        self.model = model.eval()
+        # GEMM FLOPs of a token through the layers, and of a row through the LM head (the step counters' gemm_flops)
+        self._token_flops = sum(2 * m.in_features * m.out_features for m in model.layers.modules()
+                                if isinstance(m, torch.nn.Linear))
+        self._logit_row_flops = 2 * model.lm_head.in_features * model.lm_head.out_features
         self.backend.prepare(self.model)
         logger.info("loaded %s (%s, %s, %s) in %.1f s", self.model_name, self.dtype, self.device,
                     self.backend.describe(), time.monotonic() - started)
@@ -75,6 +82,7 @@ class EngineCore:
                                    self.backend.prefill_tokens_per_decode(),
                                    NgramProposer(spec) if spec is not None else None)
         self.backend.bind(self)
+        self.counters = StepCounters()
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len)
         self.backend.warm_up(self)
@@ -182,12 +190,43 @@ class EngineCore:
             bm.num_hit_tokens,
             self.scheduler.num_draft_tokens,
             self.scheduler.num_accepted_tokens,
+            dataclasses.replace(self.counters),
         )
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         outputs = self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if not scheduled.is_empty:
-            outputs += self.scheduler.update_from_output(scheduled, self.model_runner.execute(scheduled))
+            scheduled_at = time.perf_counter()
+            result = self.model_runner.execute(scheduled)
+            executed_at = time.perf_counter()
+            outputs += self.scheduler.update_from_output(scheduled, result)
+            self._count_step(scheduled, result, scheduled_at - start, time.perf_counter() - executed_at)
         return outputs
+
+    def _count_step(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, schedule_s: float,
+                    update_s: float) -> None:
+        c = self.counters
+        num_tokens = scheduled.total_num_scheduled_tokens
+        c.num_steps += 1
+        c.num_tokens += num_tokens
+        c.num_decode_tokens += sum(1 for n in scheduled.num_scheduled_tokens.values() if n == 1)
+        c.num_logit_rows += result.num_logit_rows
+        c.gemm_flops += num_tokens * self._token_flops + result.num_logit_rows * self._logit_row_flops
+        c.schedule_s += schedule_s
+        c.prepare_s += result.prepare_s
+        c.forward_s += result.forward_s
+        c.sample_s += result.sample_s
+        c.update_s += update_s
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -7,6 +7,7 @@ thread over a queue; both give it ``receive(block)`` and ``send(message)``.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable
 
@@ -41,6 +42,8 @@ def engine_info(engine: EngineCore) -> EngineInfo:
         max_num_seqs=engine.config.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        backend=engine.backend.describe(),
+        gemm_plan=plan.as_dict() if (plan := getattr(engine.backend, "plan", None)) is not None else None,
     )
 
 
@@ -61,8 +64,10 @@ def run_engine_loop(config: EngineConfig, receive: Receive, send: Send, freeze_h
                     return
                 _handle(engine, message, send)
             if engine.has_unfinished_requests():
+                start = time.perf_counter()
                 outputs = engine.step()
                 send(StepOutputs(outputs, engine.stats()))
+                engine.counters.loop_s += time.perf_counter() - start
     except Exception as e:  # a bug, not bad input: report it so the server fails requests fast, then stop
         logger.exception("engine loop crashed")
         send(EngineFailed(f"engine crashed: {e}"))

@@ -41,6 +41,8 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (a grammar allows them once complete)
+    backend: str = ""  # which backend runs the steps, and how (TorchBackend.describe)
+    gemm_plan: dict | None = None  # a CPU backend's measured GEMM plan (engine/backends/gemm_plan.py), its ISA
 
 
 @dataclass(frozen=True)

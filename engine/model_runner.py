@@ -6,6 +6,7 @@ changes request state, so the scheduler stays the single owner of it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's new tokens (and logprobs), with the time its parts took."""
+        started_at = time.perf_counter()
+        out = self._execute(sched, started_at)
+        out.sample_s = time.perf_counter() - started_at - out.prepare_s - out.forward_s
+        return out
+
+    def _execute(self, sched: SchedulerOutput, started_at: float) -> ModelRunnerOutput:
         self.block_tables.update(sched.finished_request_ids, sched.new_block_ids)
         requests = sched.scheduled_requests  # single-token queries first: the attention batches them together
         input_ids, positions, qsl, seq_lens = [], [], [0], []
@@ -79,8 +87,9 @@ class ModelRunner:
         meta = self._attention_metadata(requests, positions, qsl, seq_lens)  # on the host
         ids = torch.tensor(input_ids, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
+        prepared = time.perf_counter()
         hidden = self.backend.forward(self.model, ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
-        out = ModelRunnerOutput()
+        out = ModelRunnerOutput(prepare_s=prepared - started_at, forward_s=time.perf_counter() - prepared)
         prompt_rows = [row for s in scorings for row in s.rows]
         verify_rows = [v.first_row + i for v in verifications for i in range(len(v.draft_ids) + 1)]
         if not sample_rows and not verify_rows and not prompt_rows:
@@ -96,6 +105,7 @@ class ModelRunner:
                 _verify(verifications, ids[num_sampled:], out)
                 return out
         logits = self.model.compute_logits(rows)
+        out.num_logit_rows = rows.shape[0]
 
         if verifications:  # drafting requests take the plain argmax (spec_decode.can_draft)
             _verify(verifications, logits[num_sampled:num_greedy].argmax(dim=-1).tolist(), out)

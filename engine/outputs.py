@@ -16,6 +16,24 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass
+class StepCounters:
+    """The engine's steps, cumulative: how many, what they computed and where their time went (seconds). The bench's
+    step profile and /metrics are differences of two readings."""
+
+    num_steps: int = 0
+    num_tokens: int = 0  # tokens computed (scheduled)
+    num_decode_tokens: int = 0  # of those, of requests decoding one token
+    num_logit_rows: int = 0  # rows through the full LM head
+    gemm_flops: float = 0.0  # of the projections and the LM head
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # the runner's inputs: the flattened batch and its metadata
+    forward_s: float = 0.0
+    sample_s: float = 0.0  # logits, sampling, drafts' verification, prompt logprobs
+    update_s: float = 0.0  # the scheduler's update and the step's outputs
+    loop_s: float = 0.0  # the engine loop's busy time: the steps, and taking commands and sending outputs
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -28,6 +46,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified, cumulative
     spec_accepted_tokens: int = 0  # of those, drafts kept
+    steps: StepCounters = field(default_factory=StepCounters)
 
 
 @dataclass
@@ -40,6 +59,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # Logprobs of prompt tokens scored this step (chunk by chunk), in prompt order.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Where the runner's time went (seconds), and the rows it took through the full LM head.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    num_logit_rows: int = 0
 
 
 

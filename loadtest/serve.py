@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
             warm = replace(requests[i % len(requests)], output_len=min(16, requests[0].output_len))
             body = request_body(cfg.endpoint, model, warm, cfg.ignore_eos, cfg.temperature)
             await send(http, url, body, 0.0, cfg.request_timeout)
+        before = await engine_metrics(http, base_url)
         semaphore = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         bar = tqdm(total=len(requests), desc=f"{cfg.base_url} c={cfg.max_concurrency or 'inf'}", disable=not progress,
                    file=sys.stderr, leave=False)
@@ -112,7 +114,61 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - bench_start
         bar.close()
-    return {"model": model, "records": records, "duration": duration}
+        after = await engine_metrics(http, base_url)
+    profile = step_profile(before, after, duration) if before and after else None
+    engine = after.get("engine") if after else None
+    return {"model": model, "records": records, "duration": duration, "step_profile": profile, "engine": engine}
+
+
+async def engine_metrics(http: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """Harpoon's own series from /metrics (``name`` or ``name{phase}``: a float; ``engine``: the labels of its info
+    series, device, dtype, backend, ISA and GEMM choice), or None for a server without them."""
+    try:
+        async with http.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            text = await response.text() if response.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        if not line.startswith("harpoon:") or "_bucket" in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        key = name.split("{", 1)[0].removeprefix("harpoon:")
+        if key == "engine_info":
+            values["engine"] = dict(re.findall(r'(\w+)="([^"]*)"', name))
+            continue
+        if 'phase="' in name:
+            key += "{" + name.split('phase="', 1)[1].split('"', 1)[0] + "}"
+        values[key] = float(value)
+    return values or None
+
+
+def step_profile(before: dict[str, float], after: dict[str, float], duration: float) -> dict | None:
+    """Where the engine's time went during a run, from two readings of /metrics: steps, their size, ms per step by
+    phase, the share of the run the engine was busy, and the GEMM rate of its steps (against the peak it measured
+    at start-up, where it did)."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    steps = delta("engine_steps_total")
+    if steps <= 0:
+        return None
+    phases = {p: delta(f"engine_busy_seconds_total{{{p}}}") for p in
+              ("schedule", "prepare", "forward", "sample", "update", "send")}
+    busy = sum(phases.values())
+    step_s = busy - phases["send"]
+    profile = {"steps": int(steps), "tokens_per_step": delta("engine_step_tokens_total") / steps,
+               "decodes_per_step": delta("engine_step_decode_tokens_total") / steps,
+               "ms_per_step": 1000 * busy / steps, "busy_share": busy / duration,
+               "share": {p: v / busy for p, v in phases.items()} if busy else {},
+               "python_share": (phases["schedule"] + phases["prepare"] + phases["update"] + phases["send"]) / busy
+               if busy else 0.0,
+               "gemm_gflops": delta("engine_gemm_flops_total") / step_s / 1e9 if step_s > 0 else 0.0}
+    peak = after.get("gemm_peak_flops")
+    if peak:
+        profile["gemm_peak_gflops"] = peak / 1e9
+        profile["gemm_share_of_peak"] = profile["gemm_gflops"] * 1e9 / peak
+    return profile
 
 
 def _git_commit() -> str | None:
@@ -143,6 +199,7 @@ def benchmark_point(cfg: BenchConfig, tokenizer, goodput: dict | None, progress:
     summary = summarize(result["records"], result["duration"], goodput)
     return {"base_url": cfg.base_url, "model": result["model"], "max_concurrency": cfg.max_concurrency,
             "request_rate": cfg.request_rate, "num_prompts": cfg.num_prompts, "seed": cfg.seed, "summary": summary,
+            "step_profile": result["step_profile"], "engine": result["engine"],
             "requests": records_as_dicts(result["records"])}
 
 
@@ -161,6 +218,27 @@ def print_summary(point: dict) -> None:
     if "goodput" in s:
         print(f"goodput {s['goodput']['request_goodput']:.2f} req/s ({s['goodput']['requests']} requests "
               f"within {s['goodput']['slo_ms']})")
+    if point.get("step_profile"):
+        print(profile_table([point], "concurrency"))
+
+
+def profile_table(points: list[dict], axis: str) -> str:
+    """The engine's step profile per point (Harpoon's /metrics; empty for other servers)."""
+    lines = [f"| server | {axis} | steps | tokens/step | decodes/step | ms/step | busy | forward | head+sample | "
+             "python+scheduling | GEMM GFLOP/s | of peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        f = p.get("step_profile")
+        if not f:
+            continue
+        x = p["max_concurrency"] if axis == "concurrency" else p["request_rate"]
+        peak = "-"
+        if "gemm_peak_gflops" in f:
+            peak = f"{100 * f['gemm_share_of_peak']:.0f}% of {f['gemm_peak_gflops']:.0f}"
+        lines.append(f"| {_name(p)} | {x} | {f['steps']} | {f['tokens_per_step']:.1f} | {f['decodes_per_step']:.1f} | "
+                     f"{f['ms_per_step']:.1f} | {100 * f['busy_share']:.0f}% | {100 * f['share']['forward']:.0f}% | "
+                     f"{100 * f['share']['sample']:.0f}% | {100 * f['python_share']:.0f}% | {f['gemm_gflops']:.0f} | "
+                     f"{peak} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _name(point: dict) -> str:
@@ -193,6 +271,29 @@ def ratio_table(points: list[dict], axis: str) -> str:
                 lines.append(f"| {x} | {names[0]} | {name} | {a['output_throughput'] / b['output_throughput']:.2f} | "
                              f"{a['ttft_ms']['median'] / b['ttft_ms']['median']:.2f} | "
                              f"{a['itl_ms']['p99'] / b['itl_ms']['p99']:.2f} |")
+    return "\n".join(lines)
+
+
+def best_table(points: list[dict], axis: str, groups: list[str]) -> str:
+    """Per point, the fastest server of each group (servers named with the group's prefix, e.g. one per dtype)
+    against the fastest of the last group: "best against best"."""
+    key = "max_concurrency" if axis == "concurrency" else "request_rate"
+    lines = [f"| {axis} | best | out tok/s | TTFT p50 (ms) | vs best | out tok/s | TTFT p50 (ms) | out tok/s ratio | "
+             "TTFT p50 ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in dict.fromkeys(p[key] for p in points):
+        best = []
+        for group in groups:
+            members = [p for p in points if p[key] == x and _name(p).startswith(group)]
+            best.append(max(members, key=lambda p: p["summary"]["output_throughput"]) if members else None)
+        if None in best:
+            continue
+        b = best[-1]["summary"]
+        for p in best[:-1]:
+            a = p["summary"]
+            lines.append(f"| {x} | {_name(p)} | {a['output_throughput']:.1f} | {a['ttft_ms']['median']:.0f} | "
+                         f"{_name(best[-1])} | {b['output_throughput']:.1f} | {b['ttft_ms']['median']:.0f} | "
+                         f"{a['output_throughput'] / b['output_throughput']:.2f} | "
+                         f"{a['ttft_ms']['median'] / b['ttft_ms']['median']:.2f} |")
     return "\n".join(lines)
 
 
@@ -262,13 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="*", default=None, metavar="JSON",
                    help="run nothing: combine files written by --save (one engine at a time) into one table, "
                         "ratios against the first, and plots")
+    p.add_argument("--best-of", nargs="*", default=None, metavar="PREFIX",
+                   help="with --merge: per point, the fastest server named PREFIX* against the fastest of the last "
+                        "prefix (e.g. --best-of harpoon vllm, each run in several dtypes)")
     p.add_argument("--save", default=None, help="write the full results as JSON here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots of a sweep here")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
-def merge(files: list[str], plot_dir: str | None) -> dict:
+def merge(files: list[str], plot_dir: str | None, best_of: list[str] | None = None) -> dict:
     runs = [json.loads(Path(f).read_text()) for f in files]
     axis = runs[0]["axis"]
     if not axis or any(r["axis"] != axis for r in runs):
@@ -277,6 +381,13 @@ def merge(files: list[str], plot_dir: str | None) -> dict:
     table, ratios = markdown_table(points, axis), ratio_table(points, axis)
     print(table + "\n\n" + ratios)
     merged = {"axis": axis, "points": points, "table": table, "ratios": ratios, "sources": files}
+    if best_of:
+        merged["best"] = best_table(points, axis, best_of)
+        print("\n" + merged["best"])
+    profiles = profile_table(points, axis)
+    if profiles:
+        merged["step_profiles"] = profiles
+        print("\n" + profiles)
     if plot_dir:
         merged["plots"] = [str(p) for p in plot(points, axis, Path(plot_dir))]
     return merged
@@ -285,7 +396,7 @@ def merge(files: list[str], plot_dir: str | None) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.merge is not None:
-        return merge(args.merge, args.plot_dir)
+        return merge(args.merge, args.plot_dir, args.best_of)
     goodput = parse_goodput(args.goodput)
     fields = {f for f in BenchConfig.__dataclass_fields__}
     base = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -320,6 +431,10 @@ def main(argv: list[str] | None = None) -> dict:
         table = markdown_table(points, axis)
         results["table"] = table
         print("\n" + table)
+        profiles = profile_table(points, axis)
+        if profiles:
+            results["step_profiles"] = profiles
+            print("\n" + profiles)
         if len(urls) > 1:
             results["ratios"] = ratio_table(points, axis)
             print("\n" + results["ratios"])

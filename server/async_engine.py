@@ -93,6 +93,7 @@ class AsyncEngine:
         self._closed = False
         client.handler = self._on_message
         metrics.engine_up.set(1)
+        metrics.describe_engine(self.info)
 
     def _idle_stats(self) -> EngineStats:
         return EngineStats(0, 0, 0.0, self.info.limits.num_blocks, self.info.limits.num_blocks, 0)
@@ -168,6 +169,7 @@ class AsyncEngine:
             self.info = info
             self.stats = self._idle_stats()
             self.metrics.engine_restarted()
+            self.metrics.describe_engine(info)
             self._restarted_at = self.last_progress = time.monotonic()
             self.dead_reason = None
             logger.warning("a new engine is serving (%d restarts so far)", self.metrics.num_restarts)

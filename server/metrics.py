@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 
-from engine.outputs import EngineStats
+from engine.messages import EngineInfo
+from engine.outputs import EngineStats, StepCounters
 
 disable_created_metrics()  # the *_created series only add noise to dashboards
 
+_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 
@@ -46,21 +57,50 @@ class Metrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first step.")
+        # The engine's steps (loadtest/serve.py's step profile is made of these): what they computed, and their busy
+        # time by phase (schedule, prepare, forward, sample, update; "send": the loop's taking commands and sending
+        # outputs beside the steps).
+        self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.engine_step_tokens = counter("engine_step_tokens", "Tokens computed by the steps.")
+        self.engine_step_decode_tokens = counter("engine_step_decode_tokens", "Of those, of requests decoding one.")
+        self.engine_gemm_flops = counter("engine_gemm_flops", "Floating-point operations of the steps' projections "
+                                         "and LM head.")
+        self.engine_busy_seconds = Counter("harpoon:engine_busy_seconds", "Engine busy time, by phase of a step.",
+                                           ["model_name", "phase"], registry=r)
+        self.step_seconds = histogram("engine_step_seconds", "Time of one engine step.")
+        self.step_tokens = Histogram("harpoon:engine_step_tokens_per_step", "Tokens computed by one engine step.",
+                                     labels, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.gemm_peak_flops = gauge("gemm_peak_flops", "The machine's matmul peak in the engine's dtype, measured at "
+                                     "start-up (a CPU backend's).")
+        self.engine_info = Info("harpoon:engine", "The engine: device, dtype, backend, ISA and GEMM choice.",
+                                labels, registry=r).labels(model_name)
+        self.model_name = model_name
         self.num_restarts = 0
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "accepted": 0}
+        self._seen: dict[str, float] = {}
         self._stats: EngineStats | None = None
 
     def update_engine(self, stats: EngineStats) -> None:
-        """Keeps the engine's latest stats; they reach the gauges and counters when rendered. NOTE: setting them on
-        every step (each a lock) was ~8% of the server's CPU per streamed token."""
-        self._stats = stats
+        """Keeps the engine's latest stats; they reach the gauges and counters when rendered, but for the per-step
+        histograms, observed here. NOTE: setting the gauges and counters on every step (each a lock) was ~8% of the
+        server's CPU per streamed token."""
+        previous, self._stats = self._stats, stats
+        if previous is not None and stats.steps.num_steps == previous.steps.num_steps + 1:
+            self.step_seconds.observe(_step_seconds(stats.steps) - _step_seconds(previous.steps))
+            self.step_tokens.observe(stats.steps.num_tokens - previous.steps.num_tokens)
+
+    def describe_engine(self, info: EngineInfo) -> None:
+        plan = info.gemm_plan or {}
+        self.engine_info.info({"device": info.device, "dtype": info.dtype, "backend": info.backend,
+                               "isa": plan.get("isa", ""), "gemm": ",".join(plan.get("choice", [])[:1])})
+        if plan:
+            self.gemm_peak_flops.set(plan["peak_gflops"] * 1e9)
 
     def engine_restarted(self) -> None:
         """A new engine counts its totals from zero: so do the increments taken from them."""
         self.engine_restarts.inc()
         self.num_restarts += 1
         self.engine_up.set(1)
-        self._seen = dict.fromkeys(self._seen, 0)
+        self._seen = {}
         self._stats = None
 
     def _apply_engine_stats(self) -> None:
@@ -72,15 +112,28 @@ class Metrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
         # The engine reports cumulative counts; Prometheus counters take increments.
-        for key, counter, value in (("preemptions", self.num_preemptions, stats.num_preemptions),
-                                    ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
-                                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
-                                    ("drafts", self.spec_decode_num_draft_tokens, stats.spec_draft_tokens),
-                                    ("accepted", self.spec_decode_num_accepted_tokens, stats.spec_accepted_tokens)):
-            if value > self._seen[key]:
-                counter.inc(value - self._seen[key])
+        steps = stats.steps
+        phases = {phase: getattr(steps, f"{phase}_s") for phase in _PHASES}
+        phases["send"] = max(0.0, steps.loop_s - _step_seconds(steps))
+        totals = [("preemptions", self.num_preemptions, stats.num_preemptions),
+                  ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
+                  ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
+                  ("drafts", self.spec_decode_num_draft_tokens, stats.spec_draft_tokens),
+                  ("accepted", self.spec_decode_num_accepted_tokens, stats.spec_accepted_tokens),
+                  ("steps", self.engine_steps, steps.num_steps), ("tokens", self.engine_step_tokens, steps.num_tokens),
+                  ("decodes", self.engine_step_decode_tokens, steps.num_decode_tokens),
+                  ("flops", self.engine_gemm_flops, steps.gemm_flops)]
+        totals += [(phase, self.engine_busy_seconds.labels(self.model_name, phase), value)
+                   for phase, value in phases.items()]
+        for key, counter, value in totals:
+            if value > self._seen.get(key, 0):
+                counter.inc(value - self._seen.get(key, 0))
                 self._seen[key] = value
 
     def render(self) -> bytes:
         self._apply_engine_stats()
         return generate_latest(self.registry)
+
+
+def _step_seconds(steps: StepCounters) -> float:
+    return sum(getattr(steps, f"{phase}_s") for phase in _PHASES)

@@ -145,13 +145,14 @@ def test_wrong_dtype_is_refused():
         cpu.pack_weight(torch.ones(4, 4, dtype=torch.float64))
 
 
-def test_auto_backend_picks_the_c_kernels_for_fp32_cpu():
+def test_auto_backend_picks_the_c_kernels_for_fp32_and_bf16_cpu():
     from engine.backends import backend_name
     from engine.config import EngineConfig
 
     cfg, cpu_dev = EngineConfig(), torch.device("cpu")
     assert backend_name(cfg, cpu_dev, torch.float32) == "cpu"
-    assert backend_name(cfg, cpu_dev, torch.bfloat16) == "torch"
+    assert backend_name(cfg, cpu_dev, torch.bfloat16) == "cpu"
+    assert backend_name(cfg, cpu_dev, torch.float16) == "torch"
     assert backend_name(EngineConfig(attention_backend="torch"), cpu_dev, torch.float32) == "torch"
 
 
@@ -167,11 +168,11 @@ def test_kv_cache_dtype_is_the_models_or_bfloat16():
         EngineConfig(kv_cache_dtype="fp8")
 
 
-def test_cpu_backend_refuses_half_precision(tiny_model):
+def test_cpu_backend_refuses_float16(tiny_model):
     from engine import LLM
 
-    with pytest.raises(ValueError, match="float32 on a CPU"):
-        LLM(str(tiny_model("llama-gqa-tied")), attention_backend="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32 or bfloat16 on a CPU"):
+        LLM(str(tiny_model("llama-gqa-tied")), attention_backend="cpu", dtype="float16")
 
 
 def test_layout_checks_name_the_tensor():

@@ -125,7 +125,8 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     finally:
         server.stop()
     results = json.loads(save.read_text())
-    assert set(results) == {"config", "servers", "git_commit", "machine", "axis", "points", "table", "plots"}
+    assert set(results) == {"config", "servers", "git_commit", "machine", "axis", "points", "table", "plots",
+                            "step_profiles"}
     assert results["axis"] == "concurrency" and results["servers"] == [server.base_url]
     assert len(results["git_commit"]) == 40 and results["machine"]["cpus"] >= 1
     assert results["config"]["input_len"] == 24 and results["config"]["request_rate"] == "inf"
@@ -143,10 +144,17 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
             assert set(s[metric]) == {"mean", "median", "p90", "p99"}
             assert 0 < s[metric]["median"] <= s[metric]["p99"]
         assert s["goodput"]["requests"] == point["num_prompts"]
+        # the engine's own account of the point, from /metrics before and after it
+        profile, engine = point["step_profile"], point["engine"]
+        assert engine["device"] == "cpu" and engine["dtype"] in ("float32", "bfloat16") and engine["isa"]
+        assert profile["steps"] >= 6 and profile["decodes_per_step"] > 0 and profile["ms_per_step"] > 0
+        assert 0 < profile["busy_share"] <= 1.05 and abs(sum(profile["share"].values()) - 1) < 1e-6
+        assert 0 < profile["gemm_gflops"] and 0 < profile["gemm_share_of_peak"] < 1.5
         for r in point["requests"]:
             assert r["success"] and r["output_tokens"] == 6 and len(r["itl"]) == 5 and r["text"]
             assert r["ttft"] < r["e2e"] and r["tpot"] > 0
     assert "| concurrency |" in results["table"].splitlines()[0]
+    assert len(results["step_profiles"].splitlines()) == 4 and "python+scheduling" in results["step_profiles"]
     for plot in results["plots"]:
         assert (tmp_path / "plots" / plot.rsplit("/", 1)[1]).stat().st_size > 5000
 
@@ -162,6 +170,10 @@ def test_short_real_sweep_writes_results_and_plots(tmp_path):
     ratio_rows = merged["ratios"].splitlines()[2:]
     assert len(ratio_rows) == 2 and all("| other | 2.00 | 1.00 | 1.00 |" in row for row in ratio_rows)
     assert len(merged["plots"]) == 3
+    # best against best: per point, the faster of each prefix's servers (the first run is its own group here)
+    merged = bench_main(["--merge", str(save), str(other_file), "--best-of", "http", "other"])
+    best_rows = merged["best"].splitlines()[2:]
+    assert len(best_rows) == 2 and all("| other |" in row and "| 2.00 | 1.00 |" in row for row in best_rows)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -6,7 +6,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, StepCounters
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -140,6 +140,7 @@ def test_engine_outputs_carry_only_the_tokens_kept(monkeypatch):
     bm = BlockManager(8, 4)
     engine.scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     engine._compiling = {}  # no grammar requests
+    engine.counters, engine._token_flops, engine._logit_row_flops = StepCounters(), 0, 0
     a = make("a", [1, 2, 3], max_tokens=4)
     engine.scheduler.add_request(a)
     emitted = iter([[4], [5, 6, 7, 8]])

@@ -1,8 +1,11 @@
-"""fp32 on a CPU through Harpoon's C kernels (``kernels/cpu``).
+"""fp32 or bfloat16 on a CPU through Harpoon's C kernels (``kernels/cpu``).
 
 What it does with a model (``prepare``):
-- every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16 where
-  the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
+- bfloat16: every projection and the LM head as BF16C panels, whose products round the activations to bfloat16 and
+  sum in fp32 (avx512_bf16's dot product where the CPU has it, FMAs with the same bits elsewhere); everything
+  between the products stays fp32;
+- fp32: every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16
+  where the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
 - the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
   is kept beside them;
 - norms, rotary and SiLU-mul run as fused C kernels;
@@ -14,12 +17,14 @@ What it does with a model (``prepare``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.base import TorchBackend
+from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, measure_plan
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear
 from engine.models.llama import MLP, RMSNorm
@@ -87,11 +92,12 @@ class CpuBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self.decoder: Decoder | None = None
         self.greedy_head: ScreenedGreedyHead | None = None
+        self.plan: GemmPlan | None = None
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cpu" or dtype != torch.float32:
-            return "the cpu backend (C kernels) runs float32 on a CPU only"
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return "the cpu backend (C kernels) runs float32 or bfloat16 on a CPU only"
         if not cpu_kernels.available():
             return "the cpu backend needs a C compiler (cc/gcc, or $CC) to build kernels/cpu"
         return None
@@ -100,19 +106,40 @@ class CpuBackend(TorchBackend):
         return CpuAttention(num_heads, num_kv_heads, head_dim, scale)
 
     def prepare(self, model: LlamaForCausalLM) -> None:
-        vocab = model.config.vocab_size
+        """fp32: every weight in the fewest bytes that hold it exactly. bfloat16: every weight as BF16C panels, computed
+        in bfloat16, and the rest (norm weights, biases, rotary tables, activations between the products) in fp32.
+        Where oneDNN measured faster (``gemm_plan.py``), every product runs there instead, its weights prepacked."""
+        vocab, bf16 = model.config.vocab_size, self.dtype == torch.bfloat16
+        pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
+        first = model.layers[0]
+        self.plan = measure_plan(
+            [m.weight.detach() for m in (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
+                                         first.mlp.down_proj)],
+            lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype)
+        library = self.plan.uses_library
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:
-                module.kernel = PackedLinear(cpu_kernels.pack_weight_compact(module.release_weight()),
-                                             module.out_features)
+                weight = module.release_weight()
+                module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
+                                                                                       module.out_features)
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
-        head = pack_head(model.lm_head.release_weight())
+        if bf16:  # the C kernels read these in fp32
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.data = param.data.float()
+        if library:  # the one-call decoder and the screened head are C panels' own; the lookups keep their table
+            model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
+            model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
+            return
+        head = (cpu_kernels.pack_weight_bf16c if bf16 else pack_head)(model.lm_head.release_weight())
         model.lm_head.kernel = PackedLinear(head, vocab)
-        # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own Q4/Q8
-        # panels where it has such; either way the fp32 table is freed (113 MB for SmolLM2-135M).
+        # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
+        # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed = model.embed_tokens
-        lookup = head if model.tie_word_embeddings else cpu_kernels.pack_weight_blocks(embed.weight.detach())
+        table = embed.weight.detach()
+        lookup = head if model.tie_word_embeddings else (
+            cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table))
         if lookup is not None:
             embed.kernel = PackedEmbedding(lookup, vocab)
             embed.weight.data = embed.weight.data.new_empty(0, embed.embedding_dim)
@@ -140,7 +167,13 @@ class CpuBackend(TorchBackend):
         return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
 
     def describe(self) -> str:
-        return "cpu backend (C kernels)"
+        products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
+        return f"cpu backend (C kernels, {products} products)"
+
+
+def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Lookups as fp32 rows, the activations' type between the products, whatever the table's dtype."""
+    return table[input_ids].float()
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

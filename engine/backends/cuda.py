@@ -92,6 +92,9 @@ class TritonBackend(TorchBackend):
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = fused_ops
+        # The fused rotary reads the tables in the model's dtype, as transformers rounds cos and sin to it.
+        model.rotary.cos_cache = model.rotary.cos_cache.to(self.dtype)
+        model.rotary.sin_cache = model.rotary.sin_cache.to(self.dtype)
 
     def bind(self, engine: EngineCore) -> None:
         if self.device.type == "cuda" and not self.config.enforce_eager:

@@ -40,6 +40,8 @@ def inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """Holds the cos/sin tables in fp32 whatever the model's dtype (a backend may round them to it)."""
+
     ops: ModuleType | None = None  # kernels.cpu or kernels.fused_ops, when the model runs on them
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     args = parser.parse_args(argv)
 
-    llm = LLM(args.model, attention_backend=args.attention_backend, num_threads=args.num_threads)
+    llm = LLM(args.model, attention_backend=args.attention_backend, num_threads=args.num_threads, dtype=args.dtype)
     engine = llm.engine
     use_profiler = engine.backend.name != "cpu"
     totals: dict[str, float] = defaultdict(float)

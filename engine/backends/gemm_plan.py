@@ -1,0 +1,155 @@
+"""Which matrix-multiply kernel runs a step's projections at each batch size, decided by timing on this machine.
+
+The CPUs this runs on differ (AVX2 only; AVX-512 with avx512_bf16; AMX), and so does which kernel is fastest at
+which number of rows. Nothing is chosen from the CPU's name or a flag: at start-up the backend times, on the
+model's own first-layer shapes and at M = 1, 4, 16, 64 and 256 rows,
+- Harpoon's C panels (``kernels/cpu``: the model's compact or fp32 panels, or BF16C panels for bfloat16), and
+- oneDNN through torch, with the weights prepacked once (``torch.ops.mkldnn._reorder_linear_weight`` and
+  ``_linear_pointwise``, as vLLM's CPU backend and torch's inductor use it; AMX tiles where the CPU has them).
+
+NOTE: one family serves every bucket. Two families sum a product in different orders, so mixing them by batch size
+would give a request's rows different bits depending on what else is in its step, and the engine's contract is
+that greedy tokens do not depend on the batch. The library is taken where its summed time over the buckets is at
+least ``LIBRARY_MARGIN`` smaller (a tie goes to the C panels, which also run inside the one-call decoder). The
+machine's matmul peak for the dtype (torch's product of large squares) is measured too; the bench reports the
+steps' GEMM rate against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+M_BUCKETS = (1, 4, 16, 64, 256)
+LIBRARY_MARGIN = 1.10
+BF16_MARGIN = 1.25  # bfloat16 is picked by --dtype auto only where its products are this much faster
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> str:
+    """The vector ISA this CPU reports, as the flags that matter for matmuls (e.g. ``avx2 avx512f avx512_bf16``)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return " ".join(f for f in _ISA_FLAGS if f in flags) or torch.backends.cpu.get_cpu_capability()
+
+
+def seconds_per_call(fn: Callable[[], object], budget_s: float = 0.01, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the mean time of ``fn`` over enough calls to fill ``budget_s``."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    reps = max(1, int(budget_s / max(time.perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        times.append((time.perf_counter() - start) / reps)
+    return statistics.median(times)
+
+
+def library_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@dataclass(frozen=True)
+class OneDnnLinear:
+    """A linear layer's product through oneDNN, its weight prepacked once for this CPU (``Linear.kernel``); the
+    activations go in in the model's dtype and come back as fp32, as the C kernels give them."""
+
+    packed: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> OneDnnLinear:
+        return cls(torch.ops.mkldnn._reorder_linear_weight(weight, None), weight.dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        b = None if bias is None else bias.to(self.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, b, "none", [], "").float()
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Per bucket of rows (a step of M rows takes the smallest bucket >= M, or the largest), the kernel family it
+    runs (``c`` or ``onednn``; one family for all, see the module's note), with the rates measured per bucket."""
+
+    isa: str
+    dtype: str
+    buckets: tuple[int, ...]
+    choice: tuple[str, ...]
+    gflops: dict[str, tuple[float, ...]]  # candidate -> GFLOP/s per bucket, over the first layer's projections
+    peak_gflops: float  # torch's product of large squares in this dtype
+
+    def kernel_for(self, num_rows: int) -> str:
+        index = next((i for i, b in enumerate(self.buckets) if num_rows <= b), len(self.buckets) - 1)
+        return self.choice[index]
+
+    @property
+    def uses_library(self) -> bool:
+        return "onednn" in self.choice
+
+    def describe(self) -> str:
+        rates = ", ".join(f"M={m}: " + " / ".join(f"{name} {rates[i]:.0f}" for name, rates in self.gflops.items())
+                          + f" -> {self.choice[i]}" for i, m in enumerate(self.buckets))
+        return (f"GEMM plan ({self.dtype}, ISA {self.isa}; GFLOP/s): {rates}; machine peak {self.peak_gflops:.0f} "
+                "GFLOP/s")
+
+    def as_dict(self) -> dict:
+        return {"isa": self.isa, "dtype": self.dtype, "buckets": list(self.buckets), "choice": list(self.choice),
+                "gflops": {k: list(v) for k, v in self.gflops.items()}, "peak_gflops": self.peak_gflops}
+
+
+def matmul_peak_gflops(dtype: torch.dtype) -> float:
+    """The machine's matmul peak for ``dtype``: torch's product of a [1024, 2048] by a [2048, 2048] matrix."""
+    a, b = torch.randn(1024, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    return 2 * 1024 * 2048 * 2048 / seconds_per_call(lambda: a @ b, budget_s=0.03) / 1e9
+
+
+def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor], Callable], dtype: torch.dtype
+                 ) -> GemmPlan:
+    """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
+    ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``."""
+    flops = [2 * w.shape[0] * w.shape[1] for w in weights]
+    candidates = {"c": [c_kernel(w) for w in weights]}
+    if library_available():
+        candidates["onednn"] = [partial(OneDnnLinear.pack(w), bias=None) for w in weights]
+    rates: dict[str, list[float]] = {name: [] for name in candidates}
+    for m in M_BUCKETS:
+        inputs = [torch.randn(m, w.shape[1]) for w in weights]
+        for name, kernels in candidates.items():
+            seconds = sum(seconds_per_call(lambda k=k, x=x: k(x)) for k, x in zip(kernels, inputs, strict=True))
+            rates[name].append(m * sum(flops) / seconds / 1e9)
+    def total_seconds(name: str) -> float:  # one product per bucket
+        return sum(m * sum(flops) / (r * 1e9) for m, r in zip(M_BUCKETS, rates[name], strict=True))
+
+    library = "onednn" in rates and LIBRARY_MARGIN * total_seconds("onednn") < total_seconds("c")
+    choice = ("onednn" if library else "c",) * len(M_BUCKETS)
+    plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, choice,
+                    {k: tuple(v) for k, v in rates.items()}, matmul_peak_gflops(dtype))
+    logger.info(plan.describe())
+    return plan
+
+
+def bf16_speedup() -> float:
+    """How much faster the C kernels compute a product in bfloat16 (BF16C panels) than in fp32 (fp32 panels), at 64
+    rows of a 2048 x 2048 weight: > 1 where the CPU has bfloat16 dot products, ~1 or less where they are emulated."""
+    from kernels import cpu as cpu_kernels
+
+    weight, x = torch.randn(2048, 2048) / 45, torch.randn(64, 2048)
+    fp32, bf16 = cpu_kernels.pack_weight(weight), cpu_kernels.pack_weight_bf16c(weight)
+    t32 = seconds_per_call(lambda: cpu_kernels.linear(x, fp32, 2048))
+    t16 = seconds_per_call(lambda: cpu_kernels.linear(x, bf16, 2048))
+    return t32 / t16
