@@ -2,9 +2,9 @@
 
 A server process holds hundreds of thousands of long-lived objects once torch, transformers and the model are
 loaded, and a collection of the oldest generation walks all of them while every stream waits. On an H100 serving
-256 clients, the ITL p99 was 324-832 ms without this and 79-220 ms with it (docs/benchmarks.md). What start-up made
-stays alive for the whole process, so both server processes move it to the permanent generation once they are
-ready, as vLLM does; later collections walk only what serving itself allocates.
+256 clients, the ITL p99 was 324-832 ms without this and 79-220 ms with it (docs/history/benchmarks-2026-11.md).
+What start-up made stays alive for the whole process, so both server processes move it to the permanent generation
+once they are ready, as vLLM does; later collections walk only what serving itself allocates.
 """
 
 import gc

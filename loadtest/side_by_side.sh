@@ -5,7 +5,8 @@
 # Env: SWEEP (default 1,4,16,64), NUM_PROMPTS (16), INPUT_LEN (128), OUTPUT_LEN (128), HARPOON_ARGS (extra serve flags).
 # VARIANTS measures more Harpoon settings in the same run, one server each, e.g.
 #   VARIANTS='r3=--prefill-tokens-per-decode 3;b512=--max-num-batched-tokens 512' bash loadtest/side_by_side.sh
-# (label=flags, ';'-separated); each gets its own rows and its own ratios against vLLM.
+# (label=flags, ';'-separated); each gets its own rows. vLLM runs once per dtype in VLLM_DTYPES (default
+# "float32 bfloat16"); the table ends with the fastest Harpoon run against the fastest vLLM run at each point.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/side_by_side}
@@ -33,12 +34,18 @@ for variant in "${EXTRA[@]}"; do
     run_harpoon "harpoon-${variant%%=*}" "${variant#*=}"
 done
 
-bash "$PEERS/start_vllm.sh"
-$PY -m loadtest.serve --base-url http://127.0.0.1:8100 --label vllm-cpu "${ARGS[@]}" --save "$OUT/vllm.json" \
-    || { bash "$PEERS/stop_server.sh" /tmp/peer-vllm.pid; exit 1; }
-bash "$PEERS/stop_server.sh" /tmp/peer-vllm.pid
-
-$PY -m loadtest.serve --merge "$OUT/harpoon.json" "$OUT/vllm.json" --plot-dir "$OUT" | tee "$OUT/table.md"
-for label in "${LABELS[@]:1}"; do
-    $PY -m loadtest.serve --merge "$OUT/$label.json" "$OUT/vllm.json" | tee -a "$OUT/table.md"
+VLLM_FILES=()
+for dtype in ${VLLM_DTYPES:-float32 bfloat16}; do  # its fp32 and the bf16 its CPU docs recommend
+    VLLM_DTYPE=$dtype bash "$PEERS/start_vllm.sh"
+    $PY -m loadtest.serve --base-url http://127.0.0.1:8100 --label "vllm-cpu-$dtype" "${ARGS[@]}" \
+        --save "$OUT/vllm-$dtype.json" || { bash "$PEERS/stop_server.sh" /tmp/peer-vllm.pid; exit 1; }
+    bash "$PEERS/stop_server.sh" /tmp/peer-vllm.pid
+    VLLM_FILES+=("$OUT/vllm-$dtype.json")
+    sleep 3
 done
+
+HARPOON_FILES=()
+for label in "${LABELS[@]}"; do HARPOON_FILES+=("$OUT/$label.json"); done
+# every row, ratios of the first Harpoon run against each, best against best, and Harpoon's step profiles
+$PY -m loadtest.serve --merge "${HARPOON_FILES[@]}" "${VLLM_FILES[@]}" --best-of harpoon vllm --plot-dir "$OUT" \
+    | tee "$OUT/table.md"

@@ -268,3 +268,14 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     attention = out.strip().split("\n\n")[-1].splitlines()
     assert [row.split("|")[1].strip() for row in attention[3:]] == ["WORKTREE (float32 pool)",
                                                                    "WORKTREE (bfloat16 pool)"]
+
+
+def test_gemm_lab_prints_every_candidate_per_shape_and_batch(capsys):
+    from loadtest.lab.gemm import main as gemm_main
+
+    gemm_main(["--shapes", "40x64,24x128", "--rows", "1,3"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 40x64") or line.startswith("| 24x128")]
+    assert len(rows) == 4 and all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
+    assert all(float(v) > 0 for r in rows for v in r.strip("| ").split(" | ")[2:])
+    assert "C fp32 | C bf16" in out and "peak" in out and "ISA:" in out

@@ -33,7 +33,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
 # Prompt tokens a CPU step may carry per decode in it, a waiting request counting as one. A prompt arriving beside
 # running streams then enters in pieces that lengthen their steps by a bounded fraction, instead of one ~0.6 s step
-# that stalls all of them (docs/benchmarks.md).
+# that stalls all of them (docs/history/benchmarks-2026-11.md).
 DEFAULT_CPU_PREFILL_TOKENS_PER_DECODE = 2.0
 
 

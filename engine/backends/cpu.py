@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
 # SDPA reuses each K/V row across a tile of queries), so its attention grows with chunk x context. Chunks of up to
 # 64 tokens, as decode steps carry them, and chunks of any length within the first 1024 positions are faster in
-# the one call (docs/benchmarks.md); deeper long chunks keep the modules.
+# the one call (docs/history/benchmarks-2026-11.md); deeper long chunks keep the modules.
 DECODER_MAX_QUERY_LEN = 64
 DECODER_MAX_PREFILL_CONTEXT = 1024
 

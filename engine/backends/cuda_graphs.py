@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # NOTE: in a graph each prompt token re-reads its whole prefix, which the varlen prefill kernel reads once per tile
 # of queries, so long chunks (past MAX_PREFILL_CONTEXT) stay eager; so do steps past MAX_NUM_TOKENS (bursts of new
 # prompts), where each larger bucket would be one more capture at start-up. Neither bound is tuned yet: the
-# 256-client bursts of docs/benchmarks.md run eagerly.
+# 256-client bursts of docs/history/benchmarks-2026-11.md run eagerly.
 MAX_NUM_TOKENS = 512
 MAX_PREFILL_CONTEXT = 1024
 
