@@ -20,7 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from engine.engine_process import run_engine_process
+from engine.engine_process import ENGINE_PROCESS_ENV, run_engine_process
 from engine.messages import EngineFailed, EngineInfo, EngineReady, Shutdown
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class MultiprocessEngineClient(EngineClient):
     async def start(self) -> EngineInfo:
         self._release()  # a previous engine's pipe and sender, if it died
         ctx = mp.get_context("spawn")
+        for name, value in ENGINE_PROCESS_ENV.items():  # inherited by the child, read when its OpenMP loads
+            os.environ.setdefault(name, value)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=run_engine_process, name="harpoon-engine", daemon=True,
                                    args=(self.config, child, logging.getLogger().getEffectiveLevel()))

@@ -188,3 +188,13 @@ def test_bf16_greedy_agrees_with_transformers_bf16_until_a_near_tie(bf16_llm, sm
     print(f"bfloat16 vs transformers bfloat16: {identical}/{len(prompt_ids)} identical for {MAX_NEW} tokens, "
           f"{matched / (MAX_NEW * len(prompt_ids)):.2f} of tokens before the first divergence")
     assert identical >= len(prompt_ids) // 2
+
+
+def test_the_library_must_win_across_batch_sizes_not_only_at_the_largest():
+    from engine.backends.gemm_plan import LIBRARY_MARGIN, library_speedup
+
+    # this machine's fp32 rates (GFLOP/s at M = 1, 4, 16, 64, 256): oneDNN ahead from 64 rows only
+    measured = {"c": [59, 136, 175, 204, 212], "onednn": [36, 105, 179, 212, 226]}
+    assert library_speedup(measured) < 1 < LIBRARY_MARGIN
+    amx_like = {"c": [59, 136, 175, 204, 212], "onednn": [50, 300, 700, 900, 1000]}
+    assert library_speedup(amx_like) > LIBRARY_MARGIN
