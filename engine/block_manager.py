@@ -190,6 +190,35 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self.free_queue.append(block_id)
 
+    def view(self, num_computed_tokens: dict[str, int], max_map_blocks: int = 1 << 16) -> dict:
+        """The pool as the debug routes show it: counts, each request's table, and a map of the blocks' states
+        (``.`` free, ``c`` free but cached: evictable, ``u`` held by one request, ``s`` shared) with the index of
+        the request holding each in ``requests`` (-1: none); the map is left out of pools over ``max_map_blocks``.
+        ``num_computed_tokens``: per request holding blocks, the tokens whose K/V are in them."""
+        requests = []
+        owner = [-1] * self.num_blocks
+        for index, (request_id, table) in enumerate(self.block_tables.items()):
+            computed = num_computed_tokens.get(request_id, 0)
+            requests.append({"request_id": request_id, "blocks": len(table), "tokens": computed,
+                             "shared_blocks": sum(1 for b in table if self.blocks[b].ref_cnt > 1),
+                             "empty_slots": len(table) * self.block_size - computed})
+            for block_id in table:
+                if owner[block_id] < 0:
+                    owner[block_id] = index
+        cached_free = sum(1 for b in self.free_queue.ids() if self.blocks[b].block_hash is not None)
+        view = {
+            "block_size": self.block_size, "num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks,
+            "used_blocks": self.num_used_blocks, "cached_evictable_blocks": cached_free,
+            "cached_blocks": len(self.cached_blocks), "empty_slots": sum(r["empty_slots"] for r in requests),
+            "prefix_cache_hit_rate": self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0,
+            "requests": requests,
+        }
+        if self.num_blocks <= max_map_blocks:
+            state = "".join("s" if b.ref_cnt > 1 else "u" if b.ref_cnt else "c" if b.block_hash is not None else "."
+                            for b in self.blocks)
+            view["block_states"], view["block_owners"] = state, owner
+        return view
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. Cheap enough for tests to call every step."""
         holders = [0] * self.num_blocks

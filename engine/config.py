@@ -89,10 +89,14 @@ class EngineConfig:
     num_threads: int | None = None
     # N-gram speculative decoding (engine/spec_decode.py): a SpeculativeConfig, or its dict or JSON text; off if None.
     speculative_config: SpeculativeConfig | None = None
+    # Keep the timelines of the last N requests (engine/timeline.py; the server's /debug/requests); 0: off.
+    request_timelines: int = 0
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.request_timelines < 0:
+            raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

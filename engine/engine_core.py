@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
+from engine.timeline import Timelines
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
@@ -83,6 +84,7 @@ class EngineCore:
                                    NgramProposer(spec) if spec is not None else None)
         self.backend.bind(self)
         self.counters = StepCounters()
+        self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len)
         self.backend.warm_up(self)
@@ -131,10 +133,12 @@ class EngineCore:
         return KVCache(spec, spec.num_blocks_for(self.backend.kv_cache_bytes()), self.device)
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         """Queue a request, or raise ValueError (with a message for the user) if it can never be served. A request
         with a grammar waits for its compile off the step loop; a compile that fails after the grammar parsed comes
-        back from a later step as an output with ``error`` set."""
+        back from a later step as an output with ``error`` set. ``arrival_time``: when it reached the server
+        (``time.monotonic()``), for its timeline."""
         self.limits.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -142,9 +146,11 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
         if params.structured_outputs is None:
             self.scheduler.add_request(request)
-            return
-        check_grammar(params.structured_outputs)
-        self._compiling[request_id] = (request, self.grammars.submit(params.structured_outputs))
+        else:
+            check_grammar(params.structured_outputs)
+            self._compiling[request_id] = (request, self.grammars.submit(params.structured_outputs))
+        if self.timelines is not None:
+            self.timelines.arrived(request_id, len(prompt_token_ids), arrival_time)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -152,6 +158,8 @@ class EngineCore:
             if compiling is not None:
                 compiling[1].cancel()  # if it has not started; a running compile still fills xgrammar's cache
             self.scheduler.abort_request(request_id)
+            if self.timelines is not None:
+                self.timelines.aborted(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
@@ -202,9 +210,18 @@ class EngineCore:
             scheduled_at = time.perf_counter()
             result = self.model_runner.execute(scheduled)
             executed_at = time.perf_counter()
+            if self.timelines is not None:  # before the update: it reads what each request had computed
+                self.timelines.stepped(scheduled, *_monotonic(scheduled_at, executed_at))
             outputs += self.scheduler.update_from_output(scheduled, result)
             self._count_step(scheduled, result, scheduled_at - start, time.perf_counter() - executed_at)
+        if self.timelines is not None:
+            self.timelines.produced(outputs)
         return outputs
+
+    def kv_view(self) -> dict:
+        """The KV pool now: counts, each request's blocks, and the block map (``BlockManager.view``)."""
+        computed = {r.request_id: r.num_computed_tokens for r in self.scheduler.requests.values()}
+        return self.block_manager.view(computed)
 
     def _count_step(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, schedule_s: float,
                     update_s: float) -> None:
@@ -230,3 +247,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _monotonic(*perf_times: float) -> tuple[float, ...]:
+    """``time.perf_counter()`` readings on the ``time.monotonic()`` clock the timelines use."""
+    offset = time.monotonic() - time.perf_counter()
+    return tuple(t + offset for t in perf_times)

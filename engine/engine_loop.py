@@ -17,6 +17,8 @@ from engine.gc_heap import freeze_startup_heap
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    DebugAnswer,
+    DebugQuery,
     EngineFailed,
     EngineInfo,
     EngineReady,
@@ -44,6 +46,7 @@ def engine_info(engine: EngineCore) -> EngineInfo:
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         backend=engine.backend.describe(),
         gemm_plan=plan.as_dict() if (plan := getattr(engine.backend, "plan", None)) is not None else None,
+        request_timelines=engine.config.request_timelines,
     )
 
 
@@ -76,11 +79,21 @@ def run_engine_loop(config: EngineConfig, receive: Receive, send: Send, freeze_h
 def _handle(engine: EngineCore, message: object, send: Send) -> None:
     if isinstance(message, AddRequest):
         try:
-            engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+            engine.add_request(message.request_id, message.prompt_token_ids, message.params, message.arrival_time)
         except ValueError as e:
             send(RequestRejected(message.request_id, str(e), getattr(e, "param", None)))
     elif isinstance(message, AbortRequests):
         engine.abort_requests(message.request_ids)
         send(StepOutputs([], engine.stats()))
+    elif isinstance(message, DebugQuery):
+        send(DebugAnswer(message.query_id, debug_answer(engine, message)))
     else:
         raise TypeError(f"unexpected message {message!r}")
+
+
+def debug_answer(engine: EngineCore, query: DebugQuery) -> object:
+    if query.what == "kv":
+        return engine.kv_view()
+    if query.what == "requests":
+        return None if engine.timelines is None else engine.timelines.get(query.request_id or "")
+    raise ValueError(f"unknown debug query {query.what!r}")

@@ -17,6 +17,17 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float | None = None  # time.monotonic() when the server received it, for its timeline
+
+
+@dataclass(frozen=True)
+class DebugQuery:
+    """A question about the engine's state, answered between two steps by a ``DebugAnswer``: ``"requests"`` (the
+    timelines of ``request_id``) or ``"kv"`` (the KV pool's view)."""
+
+    query_id: int
+    what: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (a grammar allows them once complete)
     backend: str = ""  # which backend runs the steps, and how (TorchBackend.describe)
     gemm_plan: dict | None = None  # a CPU backend's measured GEMM plan (engine/backends/gemm_plan.py), its ISA
+    request_timelines: int = 0  # finished requests whose timelines the engine keeps (engine/timeline.py)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,12 @@ class EngineReady:
 class StepOutputs:
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+
+
+@dataclass(frozen=True)
+class DebugAnswer:
+    query_id: int
+    payload: object  # JSON-ready; None where the engine keeps no such record
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import InvalidRequestError
 from server.async_engine import AsyncEngine
+from server.debug import add_debug_routes
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.serving import OpenAIServing
 
@@ -161,7 +162,7 @@ class InternalErrorMiddleware:
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_waiting_requests: int = 1024, tool_call_parser: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_debug_routes: bool = False) -> FastAPI:
     app = FastAPI(title="Harpoon", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
     app.add_middleware(InternalErrorMiddleware)
     serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser)
@@ -169,10 +170,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.draining = False
     created = int(time.time())
 
-    def guard(raw: Request) -> None:
+    def check_key(raw: Request) -> None:
         if api_key is not None and raw.headers.get("authorization") != f"Bearer {api_key}":
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
+
+    def guard(raw: Request) -> None:
+        check_key(raw)
         if app.state.draining:
             raise APIError(503, "the server is shutting down and accepts no new requests")
 
@@ -235,6 +239,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
+    if enable_debug_routes:
+        add_debug_routes(app, engine, check_key)
     return app
 
 

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.messages import AbortRequests, AddRequest, EngineFailed, RequestRejected, StepOutputs
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    DebugAnswer,
+    DebugQuery,
+    EngineFailed,
+    RequestRejected,
+    StepOutputs,
+)
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
@@ -91,6 +99,8 @@ class AsyncEngine:
         self._restarting: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._closed = False
+        self._queries: dict[int, asyncio.Future] = {}  # debug queries awaiting the engine's answer
+        self._next_query = 0
         client.handler = self._on_message
         metrics.engine_up.set(1)
         metrics.describe_engine(self.info)
@@ -150,6 +160,9 @@ class AsyncEngine:
         error = EngineDeadError(f"{reason}; the request was lost, retry it")
         for queue in set(self._queues.values()):
             queue.put_nowait(error)
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         self._restarting = asyncio.get_running_loop().create_task(self._restart(reason))
 
     async def _restart(self, reason: str) -> None:
@@ -188,9 +201,10 @@ class AsyncEngine:
                 await asyncio.gather(task, return_exceptions=True)
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    async def generate(self, choices: list[Choice]) -> AsyncIterator[RequestState]:
+    async def generate(self, choices: list[Choice], arrival_time: float | None = None) -> AsyncIterator[RequestState]:
         """Yield a choice's state each time it changes, until every choice has finished. Leaving early (an error,
-        a disconnect, a cancelled task) aborts whatever is still running."""
+        a disconnect, a cancelled task) aborts whatever is still running. ``arrival_time``: when the HTTP request
+        came in (``time.monotonic()``), where it did, for the engine's timelines."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         events: asyncio.Queue = asyncio.Queue()
@@ -202,7 +216,8 @@ class AsyncEngine:
             self._queues[choice.request_id] = events
             self._timings[choice.request_id] = _Timing(now)
             self.metrics.prompt_tokens.inc(len(choice.prompt_token_ids))
-            self.client.send(AddRequest(choice.request_id, choice.prompt_token_ids, choice.params))
+            self.client.send(AddRequest(choice.request_id, choice.prompt_token_ids, choice.params,
+                                        arrival_time if arrival_time is not None else now))
         unfinished = {c.request_id for c in choices}
         try:
             while unfinished:
@@ -221,10 +236,28 @@ class AsyncEngine:
                 self._timings.pop(choice.request_id, None)
                 self.processor.pop(choice.request_id)
 
+    async def debug(self, what: str, request_id: str | None = None, timeout: float = 10.0) -> object:
+        """Ask the engine about its state between two steps (``DebugQuery``): its answer, JSON-ready."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._next_query += 1
+        query_id = self._next_query
+        future = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        try:
+            self.client.send(DebugQuery(query_id, what, request_id))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._queries.pop(query_id, None)
+
     # ---- engine messages (on the event loop's thread) -------------------------------------------------------------
     def _on_message(self, message: object) -> None:
         if isinstance(message, StepOutputs):
             self._on_step(message)
+        elif isinstance(message, DebugAnswer):
+            future = self._queries.get(message.query_id)
+            if future is not None and not future.done():
+                future.set_result(message.payload)
         elif isinstance(message, RequestRejected):
             queue = self._queues.get(message.request_id)
             if queue is not None:

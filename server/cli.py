@@ -18,6 +18,7 @@ from engine.arg_utils import add_engine_arguments, engine_args_from, parse_memor
 from engine.config import EngineConfig
 from engine.gc_heap import freeze_startup_heap
 from engine.model_loader import load_tokenizer, resolve_model
+from engine.timeline import DEFAULT_CAPACITY
 from server.api import DEFAULT_MAX_BODY_BYTES, build_app
 from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5/3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--enable-debug-routes", action="store_true",
+                        help="serve GET /debug/requests/{id} (a request's timeline) and GET /debug/kv (the KV pool), "
+                             "behind the API key; keeps the last --request-timelines requests (default "
+                             f"{DEFAULT_CAPACITY})")
     add_engine_arguments(parser)
     return parser
 
@@ -99,6 +104,8 @@ class _DrainingServer(uvicorn.Server):
 async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     files = resolve_model(args.model)  # in this process first: a GGUF is converted once, here
     tokenizer = load_tokenizer(files)
+    if args.enable_debug_routes and not engine_args.get("request_timelines"):
+        engine_args = {**engine_args, "request_timelines": DEFAULT_CAPACITY}
     config = EngineConfig.from_kwargs(model=str(files.path), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
     try:
@@ -109,7 +116,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
     auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    tool_call_parser=auto_tool_parser, max_body_bytes=args.max_request_body_bytes)
+                    tool_call_parser=auto_tool_parser, max_body_bytes=args.max_request_body_bytes,
+                    enable_debug_routes=args.enable_debug_routes)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)

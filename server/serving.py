@@ -85,17 +85,19 @@ class OpenAIServing:
 
     # ---- /v1/completions ------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self.check_model(body.model)
         prompts = await self.prompts.completion_prompts(body)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         if body.num_samples > body.n:  # best_of: every sample's logprob ranks it, asked for or not
             params = dataclasses.replace(params, n=body.num_samples, logprobs=params.logprobs or 0)
-        return await self._serve(body, raw, "cmpl", prompts, params, self.completion_format, body.logprobs,
+        return await self._serve(body, raw, "cmpl", prompts, params, self.completion_format, body.logprobs, arrival,
                                  echo=body.echo, keep=body.n)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self.check_model(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -116,15 +118,17 @@ class OpenAIServing:
             params = dataclasses.replace(params, structured_outputs=grammar)
         if plan.kind == "auto":  # a parser's tags may be special tokens: keep them in the text it reads
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs,
+        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs, arrival,
                                  tools=plan if plan.kind != "none" else None)
 
     # ---- shared -------------------------------------------------------------------------------------------------
     async def _serve(self, body: OpenAIRequest, raw: Request, prefix: str, prompts: list[Prompt],
-                     params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None,
+                     params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None, arrival: float,
                      echo: bool = False, tools: ToolPlan | None = None, keep: int | None = None) -> Response:
         """``tools``: how a chat's text becomes tool calls (None: plain content). ``keep``: of the ``params.n``
-        samples of each prompt, answer with this many, those of the highest mean token logprob (best_of)."""
+        samples of each prompt, answer with this many, those of the highest mean token logprob (best_of).
+        ``arrival``: when the request came in (``time.monotonic()``), the start of its timeline. The response
+        names its id in the body and in an ``X-Request-Id`` header (the key of ``/debug/requests/{id}``)."""
         self._validate(prompts, params)
         await self._check_grammar(body, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -135,10 +139,11 @@ class OpenAIServing:
         header = {"id": request_id, "created": created, "model": self.served_model_name}
         if body.stream:
             stream = self._stream(header, choices, prompts, fmt, num_logprobs, echo, body.include_usage,
-                                  num_prompt_tokens, tools)
+                                  num_prompt_tokens, tools, arrival)
             return StreamingResponse(stream, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        states = sorted(await self._collect(choices, raw), key=lambda s: s.index)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": request_id})
+        states = sorted(await self._collect(choices, raw, arrival), key=lambda s: s.index)
         answered, n = states, params.n
         if keep is not None and keep < params.n:
             answered, n = _best_samples(states, params.n, keep), keep
@@ -161,13 +166,13 @@ class OpenAIServing:
             finish = tools.finish_reason(state.finish_reason, bool(calls))
             out_choices.append(fmt.choice(state.index, content, logprobs, finish, state.stop_reason, calls))
         return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
-                             "usage": usage(num_prompt_tokens, states, params.n)})
+                             "usage": usage(num_prompt_tokens, states, params.n)}, headers={"X-Request-Id": request_id})
 
-    async def _collect(self, choices: list[Choice], raw: Request) -> list[RequestState]:
+    async def _collect(self, choices: list[Choice], raw: Request, arrival: float) -> list[RequestState]:
         finished: dict[int, RequestState] = {}
 
         async def consume() -> None:
-            async with aclosing(self.engine.generate(choices)) as states:
+            async with aclosing(self.engine.generate(choices, arrival)) as states:
                 async for state in states:
                     if state.finished:
                         finished[state.index] = state
@@ -192,7 +197,7 @@ class OpenAIServing:
 
     async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt: ResponseFormat,
                       num_logprobs: int | None, echo: bool, include_usage: bool,
-                      num_prompt_tokens: int, tools: ToolPlan | None) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, tools: ToolPlan | None, arrival: float) -> AsyncIterator[str]:
         chunk_header = {**header, "object": fmt.chunk_object}
         readers = {c.index: tools.reader() for c in choices} if tools is not None else {}
         called: set[int] = set()
@@ -217,7 +222,7 @@ class OpenAIServing:
                     text_offset[c.index] = len(text)
                     yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, text, None, None, None)],
                                  **extra})
-            async with aclosing(self.engine.generate(choices)) as updates:
+            async with aclosing(self.engine.generate(choices, arrival)) as updates:
                 async for state in updates:
                     i = state.index
                     states[i] = state
