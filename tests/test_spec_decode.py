@@ -141,6 +141,7 @@ def test_engine_outputs_carry_only_the_tokens_kept(monkeypatch):
     engine.scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     engine._compiling = {}  # no grammar requests
     engine.counters, engine._token_flops, engine._logit_row_flops = StepCounters(), 0, 0
+    engine.timelines = None
     a = make("a", [1, 2, 3], max_tokens=4)
     engine.scheduler.add_request(a)
     emitted = iter([[4], [5, 6, 7, 8]])
