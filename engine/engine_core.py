@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.limits import EngineLimits
+from engine.memory_ledger import LedgerProbe, MemoryLedger, held_tensor_bytes
 from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models import build_model
@@ -54,6 +55,7 @@ class EngineCore:
         # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
         self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
         self.max_model_len = self._max_model_len()
+        probe = LedgerProbe(self.device)
         self.dtype = resolve_dtype(config, self.device, self.hf_config)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.backend = select_backend(config, self.device, self.dtype)
@@ -87,7 +89,10 @@ class EngineCore:
         self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len)
-        self.backend.warm_up(self)
+        probe.measure_workspace(lambda: self.backend.warm_up(self))
+        self.memory_ledger = self._memory_ledger(probe)
+        for line in self.memory_ledger.lines():
+            logger.info(line)
 
     def serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False,
                                num_early: int = 0) -> float:
@@ -131,6 +136,15 @@ class EngineCore:
             cfg.num_hidden_layers, num_kv_heads_of(cfg), head_dim_of(cfg), self.config.block_size, self.kv_cache_dtype
         )
         return KVCache(spec, spec.num_blocks_for(self.backend.kv_cache_bytes()), self.device)
+
+    def _memory_ledger(self, probe: LedgerProbe) -> MemoryLedger:
+        pool = [t for pair in self.kv_cache.layers for t in pair]
+        pool_bytes = sum(t.untyped_storage().nbytes() for t in pool)
+        if pool_bytes != self.kv_cache.num_bytes:  # the formula is the pool, or the ledger lies
+            raise AssertionError(f"KV pool holds {pool_bytes} bytes, its formula says {self.kv_cache.num_bytes}")
+        weights = held_tensor_bytes([self.model, *self.backend.weight_holders()], self.device, exclude=pool)
+        return probe.ledger(weights, self.kv_cache.num_bytes, self.kv_cache.formula(),
+                            self.backend.cuda_graph_bytes())
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -194,11 +208,12 @@ class EngineCore:
             bm.num_free_blocks,
             bm.num_blocks,
             self.scheduler.num_preemptions,
-            bm.num_query_tokens,
-            bm.num_hit_tokens,
-            self.scheduler.num_draft_tokens,
-            self.scheduler.num_accepted_tokens,
-            dataclasses.replace(self.counters),
+            num_cached_blocks=len(bm.cached_blocks),
+            prefix_cache_queries=bm.num_query_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            steps=dataclasses.replace(self.counters),
         )
 
     # ---- the step ----------------------------------------------------------------------------------------------
@@ -229,6 +244,7 @@ class EngineCore:
         num_tokens = scheduled.total_num_scheduled_tokens
         c.num_steps += 1
         c.num_tokens += num_tokens
+        c.num_scheduled_requests += len(scheduled.num_scheduled_tokens)
         c.num_decode_tokens += sum(1 for n in scheduled.num_scheduled_tokens.values() if n == 1)
         c.num_logit_rows += result.num_logit_rows
         c.gemm_flops += num_tokens * self._token_flops + result.num_logit_rows * self._logit_row_flops

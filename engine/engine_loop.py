@@ -29,6 +29,8 @@ from engine.messages import (
 
 logger = logging.getLogger(__name__)
 
+RECENT_REQUESTS = 200  # the most request summaries a "recent" query answers with
+
 Receive = Callable[[bool], list[object]]  # block -> the messages waiting (at least one when blocking)
 Send = Callable[[object], None]
 
@@ -94,6 +96,10 @@ def _handle(engine: EngineCore, message: object, send: Send) -> None:
 def debug_answer(engine: EngineCore, query: DebugQuery) -> object:
     if query.what == "kv":
         return engine.kv_view()
+    if query.what == "memory":
+        return engine.memory_ledger.refreshed().as_json()
+    if query.what == "recent":
+        return None if engine.timelines is None else engine.timelines.recent(RECENT_REQUESTS)
     if query.what == "requests":
         return None if engine.timelines is None else engine.timelines.get(query.request_id or "")
     raise ValueError(f"unknown debug query {query.what!r}")

@@ -67,6 +67,12 @@ class KVCache:
     def num_bytes(self) -> int:
         return self.num_tokens * self.spec.bytes_per_token
 
+    def formula(self) -> str:
+        """The pool's size as the product it is: 2 (K and V) x layers x tokens x kv_heads x head_dim x bytes."""
+        s = self.spec
+        return (f"2 x {s.num_layers} layers x {self.num_tokens} tokens x {s.num_kv_heads} kv_heads x {s.head_dim} "
+                f"head_dim x {s.dtype.itemsize} B")
+
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {self.num_tokens} tokens, "

@@ -23,7 +23,8 @@ class AddRequest:
 @dataclass(frozen=True)
 class DebugQuery:
     """A question about the engine's state, answered between two steps by a ``DebugAnswer``: ``"requests"`` (the
-    timelines of ``request_id``) or ``"kv"`` (the KV pool's view)."""
+    timelines of ``request_id``), ``"recent"`` (summaries of the latest requests), ``"kv"`` (the KV pool's view) or
+    ``"memory"`` (the memory ledger, measured now)."""
 
     query_id: int
     what: str

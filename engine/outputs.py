@@ -24,6 +24,7 @@ class StepCounters:
     num_steps: int = 0
     num_tokens: int = 0  # tokens computed (scheduled)
     num_decode_tokens: int = 0  # of those, of requests decoding one token
+    num_scheduled_requests: int = 0  # requests in the steps' batches, summed over the steps
     num_logit_rows: int = 0  # rows through the full LM head
     gemm_flops: float = 0.0  # of the projections and the LM head
     schedule_s: float = 0.0
@@ -42,6 +43,7 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int
+    num_cached_blocks: int = 0  # blocks holding a cached prefix, in use or free but evictable
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int = 0  # of those, tokens found cached
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified, cumulative

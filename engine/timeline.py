@@ -45,16 +45,19 @@ class RequestTimeline:
         else:
             self.dropped_events += 1
 
-    def as_dict(self) -> dict:
+    def summary(self) -> dict:
+        """The timeline without its events: a row of the dashboard's list of requests."""
         done = self.finish_time
         return {
             "request_id": self.request_id, "arrival_time": self.arrival_time,
             "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
             "num_cached_tokens": self.num_cached_tokens, "num_preemptions": self.num_preemptions,
             "ttft_s": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
-            "e2e_s": None if done is None else done - self.arrival_time,
-            "finish_reason": self.finish_reason, "events": list(self.events), "dropped_events": self.dropped_events,
+            "e2e_s": None if done is None else done - self.arrival_time, "finish_reason": self.finish_reason,
         }
+
+    def as_dict(self) -> dict:
+        return {**self.summary(), "events": list(self.events), "dropped_events": self.dropped_events}
 
 
 class Timelines:
@@ -143,6 +146,12 @@ class Timelines:
         self.finished[timeline.request_id] = timeline
         while len(self.finished) > self.capacity:
             self.finished.popitem(last=False)
+
+    def recent(self, limit: int) -> list[dict]:
+        """Summaries of the running requests and the last finished ones, newest first, at most ``limit``."""
+        rows = [t.summary() for t in reversed(self.live.values())]
+        rows += [t.summary() for t in reversed(self.finished.values())][: max(0, limit - len(rows))]
+        return rows[:limit]
 
     def get(self, request_id: str) -> list[dict]:
         """The timelines of ``request_id``: the engine request itself, or the samples a server request fanned out

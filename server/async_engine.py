@@ -37,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.protocol import APIError
+from server.stats_history import StatsHistory
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class AsyncEngine:
         self._closed = False
         self._queries: dict[int, asyncio.Future] = {}  # debug queries awaiting the engine's answer
         self._next_query = 0
+        self.num_generated_tokens = 0  # over the server's life, engine restarts included
+        self.history: StatsHistory | None = None  # the dashboard's, where the debug routes are on
         client.handler = self._on_message
         metrics.engine_up.set(1)
         metrics.describe_engine(self.info)
@@ -272,6 +275,8 @@ class AsyncEngine:
         self.last_progress = now
         self.stats = message.stats
         self.metrics.update_engine(message.stats)
+        if self.history is not None:
+            self.history.observe(now, message.stats, self.num_generated_tokens)
         stopped = []
         for output in message.outputs:
             queue = self._queues.get(output.request_id)
@@ -291,6 +296,7 @@ class AsyncEngine:
     def _observe(self, request_id: str, num_new: int, queue_time: float | None, finished: bool, now: float) -> None:
         timing = self._timings[request_id]
         self.metrics.generation_tokens.inc(num_new)
+        self.num_generated_tokens += num_new
         if queue_time is not None:
             self.metrics.queue_time.observe(queue_time)
         if timing.last_token is None:

@@ -1,4 +1,5 @@
-"""The debug routes (``--enable-debug-routes``): one request's timeline and the KV pool, as the engine sees them.
+"""The debug routes (``--enable-debug-routes``): one request's timeline, the KV pool and the memory ledger, as the
+engine sees them.
 
 Off by default, and behind the API key when one is set: a timeline shows prompt sizes and timing of other users'
 requests. Every answer comes from the engine between two steps (``AsyncEngine.debug``), so it is consistent.
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine.memory_ledger import environment_rss
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.protocol import APIError
 
@@ -37,3 +39,8 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable[[Req
     async def kv_pool() -> JSONResponse:
         """Blocks free, used and cached, each running request's table, and the pool's block map."""
         return JSONResponse(await ask("kv"))
+
+    @app.get("/debug/memory", dependencies=[Depends(check_key)])
+    async def memory() -> JSONResponse:
+        """The engine process's memory ledger (``engine/memory_ledger.py``) measured now, and this process's RSS."""
+        return JSONResponse({"engine": await ask("memory"), "api_process": environment_rss()})

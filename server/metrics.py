@@ -42,6 +42,9 @@ class Metrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for the running batch.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks free.")
+        self.kv_cache_blocks = gauge("kv_cache_blocks", "KV-cache blocks in the pool.")
+        self.kv_cache_cached_blocks = gauge("kv_cache_cached_blocks", "KV-cache blocks holding a cached prefix (in "
+                                            "use, or free but kept until evicted).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV recomputed later).")
@@ -70,6 +73,8 @@ class Metrics:
         self.step_seconds = histogram("engine_step_seconds", "Time of one engine step.")
         self.step_tokens = Histogram("harpoon:engine_step_tokens_per_step", "Tokens computed by one engine step.",
                                      labels, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.step_batch_size = Histogram("harpoon:engine_step_batch_size", "Requests in one engine step's batch.",
+                                         labels, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.gemm_peak_flops = gauge("gemm_peak_flops", "The machine's matmul peak in the engine's dtype, measured at "
                                      "start-up (a CPU backend's).")
         self.engine_info = Info("harpoon:engine", "The engine: device, dtype, backend, ISA and GEMM choice.",
@@ -87,6 +92,7 @@ class Metrics:
         if previous is not None and stats.steps.num_steps == previous.steps.num_steps + 1:
             self.step_seconds.observe(_step_seconds(stats.steps) - _step_seconds(previous.steps))
             self.step_tokens.observe(stats.steps.num_tokens - previous.steps.num_tokens)
+            self.step_batch_size.observe(stats.steps.num_scheduled_requests - previous.steps.num_scheduled_requests)
 
     def describe_engine(self, info: EngineInfo) -> None:
         plan = info.gemm_plan or {}
@@ -111,6 +117,8 @@ class Metrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
+        self.kv_cache_blocks.set(stats.num_blocks)
+        self.kv_cache_cached_blocks.set(stats.num_cached_blocks)
         # The engine reports cumulative counts; Prometheus counters take increments.
         steps = stats.steps
         phases = {phase: getattr(steps, f"{phase}_s") for phase in _PHASES}

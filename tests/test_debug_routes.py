@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -149,3 +150,55 @@ def test_debug_routes_serve_a_requests_timeline_and_the_pool(server):
         httpx.post(f"{server.base_url}/v1/completions", headers=auth, timeout=60,
                    json={"prompt": f"{i}", "max_tokens": 1})
     assert httpx.get(f"{server.base_url}/debug/requests/{stream_id}", headers=auth).status_code == 404
+
+
+def test_debug_memory_sets_the_engines_parts_against_its_rss(server):
+    auth = {"Authorization": "Bearer k"}
+    assert httpx.get(f"{server.base_url}/debug/memory").status_code == 401
+    answer = httpx.get(f"{server.base_url}/debug/memory", headers=auth).json()
+    engine, api = answer["engine"], answer["api_process"]
+    assert set(engine["parts"]) == {"runtime", "weights", "kv_pool", "workspace"}
+    assert sum(engine["parts"].values()) + engine["remainder"] == engine["measured"]["bytes"] == engine["host_rss"]
+    assert engine["parts"]["kv_pool"] > 0 and engine["parts"]["weights"] > 0
+    assert abs(engine["remainder"]) < engine["measured"]["bytes"] / 4  # the parts explain most of it
+    assert api["pid"] == server.proc.pid and api["rss"] > 0
+
+
+def test_held_tensor_bytes_counts_each_storage_once_and_follows_packed_copies():
+    from dataclasses import dataclass
+    from functools import partial
+
+    from engine.memory_ledger import held_tensor_bytes
+
+    @dataclass
+    class Packed:
+        panels: torch.Tensor
+
+    base = torch.zeros(100, dtype=torch.float32)  # 400 bytes
+    module = torch.nn.Linear(4, 2, bias=False)  # 32 bytes
+    module.view = base[10:20]  # a view: the same storage as base
+    module.kernel = partial(print, Packed(torch.zeros(8, dtype=torch.bfloat16)))  # 16 bytes
+    cpu = torch.device("cpu")
+    assert held_tensor_bytes([module, base, [base, {"again": base}]], cpu) == 400 + 32 + 16
+    assert held_tensor_bytes([module, base], cpu, exclude=[base]) == 32 + 16
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_memory_ledger_adds_up_and_its_kv_formula_is_the_pool(tiny_model, backend):
+    engine = EngineCore(EngineConfig(model=str(tiny_model("llama-gqa-tied")), attention_backend=backend,
+                                     block_size=4, kv_cache_memory=4 << 20))
+    ledger = engine.memory_ledger.refreshed()
+    spec, pool = engine.kv_cache.spec, engine.kv_cache
+    assert ledger.kv_pool == 2 * spec.num_layers * pool.num_tokens * spec.num_kv_heads * spec.head_dim * 4
+    assert ledger.kv_formula == (f"2 x {spec.num_layers} layers x {pool.num_tokens} tokens x {spec.num_kv_heads} "
+                                 f"kv_heads x {spec.head_dim} head_dim x 4 B")
+    if backend == "torch":  # the plain modules: exactly their parameters and buffers, shared ones once
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*engine.model.parameters(), *engine.model.buffers()]}
+        assert ledger.weights == sum(storages.values())
+    else:  # packed panels replace the row-major weights, which are released
+        assert 0 < ledger.weights
+    assert sum(ledger.parts().values()) + ledger.remainder == ledger.measured == ledger.host_rss
+    assert ledger.runtime > 0 and ledger.workspace >= 0
+    text = "\n".join(ledger.lines())
+    assert "kv_pool" in text and ledger.kv_formula in text and "process RSS" in text

@@ -114,6 +114,15 @@ class TorchBackend:
         elif self.device.type == "cuda":
             warm_up_bursts(engine, smallest=min(WARM_UP_PROMPT_LEN, engine.max_model_len - 2))
 
+    def weight_holders(self) -> list[object]:
+        """What this backend keeps of the weights beside the model's modules (packed copies, C-side tables), for
+        the memory ledger."""
+        return []
+
+    def cuda_graph_bytes(self) -> int:
+        """Device memory reserved by captured graphs, for the memory ledger."""
+        return 0
+
     def describe(self) -> str:
         return f"{self.name} backend"
 

@@ -166,6 +166,9 @@ class CpuBackend(TorchBackend):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
 
+    def weight_holders(self) -> list[object]:
+        return [self.decoder, self.greedy_head]
+
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         return f"cpu backend (C kernels, {products} products)"

@@ -113,5 +113,8 @@ class TritonBackend(TorchBackend):
         else:
             warm_up_bursts(engine, smallest=self.graphs.max_num_tokens)
 
+    def cuda_graph_bytes(self) -> int:
+        return 0 if self.graphs is None else self.graphs.pool_bytes
+
     def describe(self) -> str:
         return "triton backend" + (" with CUDA graphs" if self.graphs is not None else "")

@@ -72,6 +72,7 @@ class CudaGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.pool_bytes = 0
         self._copied: torch.cuda.Event | None = None
         if device.type == "cuda":
             self._capture()
@@ -126,6 +127,7 @@ class CudaGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         started = time.monotonic()
+        reserved = torch.cuda.memory_reserved()
         pool = None
         for size in reversed(self.sizes):  # the largest first: the smaller ones fit in its memory pool
             self._forward(size)  # compiles this shape's Triton kernels (padding only: nothing is stored)
@@ -136,5 +138,6 @@ class CudaGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved  # the captures' pool, for the memory ledger
         logger.info("captured %d CUDA graphs (steps of 1-%d tokens) in %.1f s", len(self.graphs), self.max_num_tokens,
                     time.monotonic() - started)
