@@ -86,10 +86,11 @@ class EngineCore:
                                    NgramProposer(spec) if spec is not None else None)
         self.backend.bind(self)
         self.counters = StepCounters()
-        self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
+        self.timelines: Timelines | None = None  # made once warmed up: the start-up's made-up prompts are not kept
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len)
         probe.measure_workspace(lambda: self.backend.warm_up(self))
+        self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.memory_ledger = self._memory_ledger(probe)
         for line in self.memory_ledger.lines():
             logger.info(line)

@@ -54,7 +54,17 @@ class RequestTimeline:
             "num_cached_tokens": self.num_cached_tokens, "num_preemptions": self.num_preemptions,
             "ttft_s": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
             "e2e_s": None if done is None else done - self.arrival_time, "finish_reason": self.finish_reason,
+            "state": self.state,
         }
+
+    @property
+    def state(self) -> str:
+        """finished, queued (never scheduled yet), preempted (waiting to resume) or running."""
+        if self.finish_time is not None:
+            return "finished"
+        last = next((e["event"] for e in reversed(self.events) if e["event"] in ("preempted", "resumed",
+                                                                                 "scheduled")), None)
+        return {None: "queued", "preempted": "preempted"}.get(last, "running")
 
     def as_dict(self) -> dict:
         return {**self.summary(), "events": list(self.events), "dropped_events": self.dropped_events}

@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5/3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--enable-debug-routes", action="store_true",
-                        help="serve GET /debug/requests/{id} (a request's timeline) and GET /debug/kv (the KV pool), "
-                             "behind the API key; keeps the last --request-timelines requests (default "
-                             f"{DEFAULT_CAPACITY})")
+                        help="serve GET /dashboard and its data behind the API key: /debug/requests[/{id}] (the "
+                             "latest requests, one's timeline), /debug/kv (the KV pool), /debug/memory (the memory "
+                             "ledger), /debug/stats (the last minutes); keeps the last --request-timelines requests "
+                             f"(default {DEFAULT_CAPACITY})")
     add_engine_arguments(parser)
     return parser
 

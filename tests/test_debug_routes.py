@@ -92,6 +92,20 @@ def test_a_preempted_request_shows_its_preemption_and_resume(tiny_model):
         assert t["finish_reason"] == "length" and t["num_output_tokens"] == 12
 
 
+def test_recent_lists_live_requests_first_with_their_state(tiny_model):
+    engine = tiny_engine(tiny_model, kv_cache_memory=4 << 20, max_num_seqs=1, request_timelines=10)
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, list(range(3, 13)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert [(r["request_id"], r["state"]) for r in engine.timelines.recent(10)] == [("b", "queued"), ("a", "queued")]
+    engine.step()
+    assert {r["request_id"]: r["state"] for r in engine.timelines.recent(10)} == {"a": "running", "b": "queued"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    [row] = engine.timelines.recent(1)
+    assert row["request_id"] == "b" and row["state"] == "finished" and row["num_output_tokens"] == 3
+    assert "events" not in row
+
+
 def test_the_kv_view_counts_every_block_once_and_shows_shared_prefixes(tiny_model):
     engine = tiny_engine(tiny_model, kv_cache_memory=4 << 20)
     shared = list(range(3, 19))  # four full blocks

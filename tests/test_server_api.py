@@ -43,6 +43,7 @@ def wait_pool_free(server: ServerProcess, timeout: float = 10.0) -> dict[str, fl
 def test_models_health_and_tokenize(server):
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.base_url}/debug/kv").status_code == 404  # debug routes are off unless asked for
+    assert httpx.get(f"{server.base_url}/dashboard").status_code == 404
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 8192
     tok = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}).json()
