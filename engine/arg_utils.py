@@ -63,6 +63,7 @@ _HELP = {
     "triton",
     "seed": "seed of the engine's random state (requests may carry their own)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "gemm_kernels": "CPU products: auto (the faster family, timed at start-up), c (Harpoon's panels), onednn",
     "speculative_config": "n-gram speculative decoding for greedy requests, as JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
     '"disable_by_batch_size": 4}\' (the keys are optional; these are the defaults); off by default',

@@ -87,6 +87,9 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None
+    # On a CPU, the family that runs the products: "auto" (timed at start-up, engine/backends/gemm_plan.py), "c"
+    # (Harpoon's panels and one-call decoder) or "onednn" (prepacked through torch).
+    gemm_kernels: str = "auto"
     # N-gram speculative decoding (engine/spec_decode.py): a SpeculativeConfig, or its dict or JSON text; off if None.
     speculative_config: SpeculativeConfig | None = None
     # Keep the timelines of the last N requests (engine/timeline.py; the server's /debug/requests); 0: off.
@@ -95,6 +98,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.gemm_kernels not in ("auto", "c", "onednn"):
+            raise ValueError(f"gemm_kernels must be auto, c or onednn, got {self.gemm_kernels!r}")
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if self.max_num_seqs < 1:

@@ -229,7 +229,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     for enabled in ("1", "0"):
         for each in {switch for _, switch, _ in GRIDS.values()}:  # off: all of them (Q4_0 blocks fit Q8 panels too)
             monkeypatch.setenv(each, enabled)
-        llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu",
+        llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", gemm_kernels="c",
                   max_num_batched_tokens=32)
         model = llm.engine.model
         head = dtype if enabled == "1" and grid != "bf16" else torch.float32

@@ -105,7 +105,7 @@ def test_engine_takes_plain_greedy_tokens_from_the_screened_head(kind, tiny_mode
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 17, 40, 9, 2)]
     llm = LLM(str(tiny_model(kind)), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
-              attention_backend="cpu")
+              attention_backend="cpu", gemm_kernels="c")
     model = llm.engine.model
     assert llm.engine.backend.greedy_head is not None
     calls = []

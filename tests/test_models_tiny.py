@@ -88,7 +88,8 @@ def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_arg
     """(token ids, logprobs) per prompt with the C decoder on, then off, and the query lengths it was given."""
     results, query_lens = [], []
     for use_decoder in (True, False):
-        llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", **engine_args)
+        llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", gemm_kernels="c",
+                  **engine_args)
         backend = llm.engine.backend
         decoder = backend.decoder
         assert decoder is not None

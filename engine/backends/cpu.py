@@ -115,7 +115,7 @@ class CpuBackend(TorchBackend):
         self.plan = measure_plan(
             [m.weight.detach() for m in (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
                                          first.mlp.down_proj)],
-            lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype)
+            lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype, self.config.gemm_kernels)
         library = self.plan.uses_library
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:

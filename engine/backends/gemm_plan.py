@@ -122,10 +122,14 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 1024 * 2048 * 2048 / seconds_per_call(lambda: a @ b, budget_s=0.03) / 1e9
 
 
-def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor], Callable], dtype: torch.dtype
-                 ) -> GemmPlan:
+def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor], Callable], dtype: torch.dtype,
+                 family: str = "auto") -> GemmPlan:
     """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
-    ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``."""
+    ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes
+    the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice (still timed, for the
+    record)."""
+    if family == "onednn" and not library_available():
+        raise ValueError("gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn)")
     flops = [2 * w.shape[0] * w.shape[1] for w in weights]
     candidates = {"c": [c_kernel(w) for w in weights]}
     if library_available():
@@ -136,7 +140,8 @@ def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor],
         for name, kernels in candidates.items():
             seconds = sum(seconds_per_call(lambda k=k, x=x: k(x)) for k, x in zip(kernels, inputs, strict=True))
             rates[name].append(m * sum(flops) / seconds / 1e9)
-    library = "onednn" in rates and library_speedup(rates) >= LIBRARY_MARGIN
+    library = family == "onednn" or (family == "auto" and "onednn" in rates
+                                      and library_speedup(rates) >= LIBRARY_MARGIN)
     choice = ("onednn" if library else "c",) * len(M_BUCKETS)
     plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, choice,
                     {k: tuple(v) for k, v in rates.items()}, matmul_peak_gflops(dtype))
