@@ -228,7 +228,7 @@ def test_offline_sweep_runs_points_round_robin_and_reports_each_median(tiny_mode
 def test_structured_output_bench_times_both_workloads(tiny_model, capsys):
     from loadtest.lab.structured_output import main as structured_main
 
-    structured_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "6",
+    structured_main(["--model", str(tiny_model("llama-gqa-tied")), "--batch", "2", "--max-tokens", "12",
                      "--rounds", "1"])
     out = capsys.readouterr().out
     assert "| 2 | plain |" in out and "| 2 | json_schema |" in out
