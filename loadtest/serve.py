@@ -43,6 +43,7 @@ class BenchConfig:
     output_len: int = 128
     range_ratio: float = 0.0
     prefix_len: int = 1000
+    num_prefixes: int = 1  # the prefix dataset's distinct prefixes
     max_concurrency: int | None = None
     request_rate: float = float("inf")
     burstiness: float = 1.0
@@ -71,7 +72,7 @@ async def wait_healthy(http: aiohttp.ClientSession, base_url: str, timeout: floa
 
 async def served_model(http: aiohttp.ClientSession, base_url: str) -> str:
     async with http.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=60)) as response:
-        data = await response.json()
+        data = await response.json(content_type=None)  # a router may send JSON as text/plain
     return data["data"][0]["id"]
 
 
@@ -194,7 +195,7 @@ def load_tokenizer(path: str | None):
 
 def benchmark_point(cfg: BenchConfig, tokenizer, goodput: dict | None, progress: bool = True) -> dict:
     requests = build_requests(cfg.dataset, tokenizer, cfg.num_prompts, cfg.input_len, cfg.output_len,
-                              cfg.range_ratio, cfg.prefix_len, cfg.seed)
+                              cfg.range_ratio, cfg.prefix_len, cfg.seed, cfg.num_prefixes)
     result = asyncio.run(run(cfg, requests, progress))
     summary = summarize(result["records"], result["duration"], goodput)
     return {"base_url": cfg.base_url, "model": result["model"], "max_concurrency": cfg.max_concurrency,
@@ -346,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=BenchConfig.output_len)
     p.add_argument("--range-ratio", type=float, default=BenchConfig.range_ratio)
     p.add_argument("--prefix-len", type=int, default=BenchConfig.prefix_len)
+    p.add_argument("--num-prefixes", type=int, default=BenchConfig.num_prefixes,
+                   help="the prefix dataset's distinct prefixes, one drawn per request")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0)

@@ -129,11 +129,28 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # SGLang's own fields, which its router (sglang-router: the compose profile "replicas", loadtest/replicas.py)
+    # writes into every body it forwards. Harpoon has none of their features: the values that ask for nothing are
+    # taken (there is no reasoning parser, so the reasoning switches change nothing), the others are a 400.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_fields_ask_for_nothing(self) -> _SamplingFields:
+        if self.no_stop_trim:
+            raise InvalidRequestError("no_stop_trim=true is not supported: a stop string is trimmed from the output "
+                                      "unless include_stop_str_in_output is true", "no_stop_trim")
+        if self.return_hidden_states:
+            raise InvalidRequestError("return_hidden_states=true is not supported by this server",
+                                      "return_hidden_states")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None

@@ -48,6 +48,33 @@ def test_compose_file_declares_gpu_health_ports_and_profiles():
     assert "./results:/results" in loadtest["volumes"]
 
 
+def test_the_replicas_profile_puts_one_replica_per_gpu_behind_a_health_checking_router():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    replicas = [name for name, service in services.items() if service.get("profiles") == ["replicas"]
+                and name != "router"]
+    assert replicas == ["replica-1", "replica-2"]
+    gpus = []
+    for name in replicas:
+        command = with_defaults(services[name]["command"])
+        assert command[:2] == ["harpoon", "serve"] and build_parser().parse_args(command[2:]).port == 8000
+        gpus += services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        assert "/health" in " ".join(services[name]["healthcheck"]["test"])
+    assert gpus == ["0", "1"]  # one GPU each
+    router = services["router"]
+    assert router["depends_on"] == {name: {"condition": "service_healthy"} for name in replicas}
+    command = with_defaults(router["command"])
+    assert command[:3] == ["python", "-m", "sglang_router.launch_router"]
+    urls = command[command.index("--worker-urls") + 1:command.index("--policy")]
+    assert urls == [f"http://{name}:8000" for name in replicas] and router["ports"] == ["8000:8000"]
+    try:
+        from sglang_router.launch_router import parse_router_args
+    except ImportError:
+        return  # the router is an optional extra: its own parser checks the rest where it is installed
+    args = parse_router_args(command[3:])
+    assert args.policy == "cache_aware" and args.health_check_endpoint == "/health"
+    assert args.worker_urls == urls and args.health_failure_threshold == 3
+
+
 def test_docker_compose_config_parses():
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (.ci/run installs Debian's)")

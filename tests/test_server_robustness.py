@@ -131,7 +131,25 @@ BAD_BODIES = [  # (path, raw JSON body, status, param)
      400, "messages"),
     ("/tokenize", json.dumps({"prompt": "a " * 1_000_000}), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "a " * 2_500_000}), 413, None),  # over the body limit
+    ("/v1/completions", json.dumps({"prompt": "hi", "no_stop_trim": True}), 400, "no_stop_trim"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "return_hidden_states": True}), 400, "return_hidden_states"),
 ]
+
+
+def test_bodies_as_sglang_router_forwards_them_are_served(server):
+    """sglang-router (the replicas profile) rewrites each body with SGLang's own fields at their defaults, as
+    captured from version 0.3.2: they ask for nothing, so they are served."""
+    completion = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": False, "echo": False,
+                  "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                  "return_hidden_states": False}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "logprobs": False,
+            "max_completion_tokens": 4, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+            "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "return_hidden_states": False}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        r = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 4
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_BODIES,
