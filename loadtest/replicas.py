@@ -17,46 +17,17 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
+from loadtest.processes import start, stop, wait_healthy
 from loadtest.serve import BenchConfig, benchmark_point, engine_metrics, load_tokenizer, machine, served_model
 
 ROUTER_PORT = 8300
 FIRST_REPLICA_PORT = 8301
-
-
-def start(args: list[str], log: Path, cores: list[int] | None = None) -> subprocess.Popen:
-    def pin() -> None:
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=pin,
-                            start_new_session=True)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
-    async def poll() -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-                try:
-                    async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            return
-                except (TimeoutError, aiohttp.ClientError):
-                    pass
-                await asyncio.sleep(0.5)
-        raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
-
-    asyncio.run(poll())
 
 
 def model_of(url: str) -> str:
@@ -73,17 +44,6 @@ def read_metrics(urls: list[str]) -> list[dict]:
             return [await engine_metrics(http, url) or {} for url in urls]
 
     return asyncio.run(read())
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def run_policy(policy: str, args: argparse.Namespace, cfg: BenchConfig, tokenizer, out: Path) -> dict:

@@ -13,9 +13,11 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import httpx
 from playwright.sync_api import sync_playwright
+
+from loadtest.processes import start, stop, wait_healthy
 
 
 def main() -> None:
@@ -27,17 +29,11 @@ def main() -> None:
     p.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     args = p.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "server", "--port", str(args.port), "--enable-debug-routes",
-                               "--kv-cache-memory", "256MiB", "--log-level", "warning"])
+    server = start([sys.executable, "-m", "server", "--port", str(args.port), "--enable-debug-routes",
+                    "--kv-cache-memory", "256MiB", "--log-level", "warning"], Path("/tmp/dashboard_shot_server.log"))
     load = None
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base, server, Path("/tmp/dashboard_shot_server.log"))
         load = subprocess.Popen([sys.executable, "-m", "loadtest.serve", "--base-url", base, "--dataset", "chat",
                                  "--num-prompts", str(8 * args.concurrency), "--input-len", "256", "--output-len",
                                  "128", "--max-concurrency", str(args.concurrency), "--no-progress"],
@@ -51,10 +47,7 @@ def main() -> None:
             browser.close()
         print(f"saved {args.out}")
     finally:
-        for proc in (load, server):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
+        stop([p for p in (load, server) if p is not None])
 
 
 if __name__ == "__main__":

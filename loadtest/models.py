@@ -1,0 +1,193 @@
+"""Models of real sizes with random weights, written as GGUF files, so that tests and benchmarks run 1-8B shapes
+with no download. The files go to a cache folder (``$HARPOON_CACHE/random-models``), never into the repository.
+
+    python -m loadtest.models --shape llama-3.2-1b --quant q4_k_m      # prints the file's path
+    python -m loadtest.models --shape llama-3.1-8b --quant q8_0 --out /data/llama8b-q8.gguf
+
+The quantized blocks are written directly, with random bits and scales chosen so the weights come out around
++/-0.05 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would
+need their 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output
+and for ``attn_v``/``ffn_down`` in the first and last eighth of the layers and every third layer between. The
+tokenizer is the bundled SmolLM2's (BPE, its merges and chat template), its token list padded with reserved
+tokens up to the shape's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType, TokenType
+from gguf.constants import GGML_QUANT_SIZES
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # GGUF architecture: llama, qwen2
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_theta: float
+    context: int
+    tied: bool
+    qkv_bias: bool = False
+
+
+SHAPES = {
+    "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 500000.0, 131072, tied=True),
+    "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 500000.0, 131072, tied=False),
+    "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
+}
+QUANTS = ("q4_k_m", "q8_0")
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in Q4_K_M."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: GGMLQuantizationType) -> np.ndarray:
+    """[rows, bytes per row] of ``kind`` blocks: random quants, and scales that keep the weights within ~0.05."""
+    block, size = GGML_QUANT_SIZES[kind]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    f16 = lambda value: np.full(n, value, dtype=np.float16).view(np.uint8).reshape(n, 2)  # noqa: E731
+    if kind == Q.Q8_0:  # d, then 32 int8: w = d * q
+        raw[:, 0:2] = f16(0.05 / 127)
+    elif kind == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: w = d*sc*q - dmin*m
+        raw[:, 0:2] = f16(5e-5)
+        raw[:, 2:4] = f16(7.5 * 5e-5)  # centres the nibbles' mean for scales and mins drawn alike
+    elif kind == Q.Q6_K:  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d: w = d * sc * (q - 32)
+        raw[:, size - 2:size] = f16(1e-5)
+    else:
+        raise ValueError(f"no random blocks for {kind.name}")
+    return raw.reshape(rows, cols // block * size)
+
+
+def tensor_types(shape: Shape, quant: str) -> dict[str, GGMLQuantizationType]:
+    """The type of each projection (by its GGUF name), as the quantization mix gives it."""
+    if quant == "q8_0":
+        main, more = Q.Q8_0, Q.Q8_0
+    elif quant == "q4_k_m":
+        main, more = Q.Q4_K, Q.Q6_K
+    else:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    types = {"token_embd.weight": main}
+    if not shape.tied:
+        types["output.weight"] = more
+    for i in range(shape.layers):
+        bits = more if use_more_bits(i, shape.layers) else main
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{name}.weight"] = main
+        types[f"blk.{i}.attn_v.weight"] = bits
+        types[f"blk.{i}.ffn_down.weight"] = bits
+    return types
+
+
+def _dims(shape: Shape, name: str) -> tuple[int, int]:
+    """(rows, cols) of a weight: rows are the outputs, cols the inputs (GGUF's ne[1], ne[0])."""
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+    for suffix, dims in (("attn_q.weight", (shape.hidden, shape.hidden)), ("attn_k.weight", (kv, shape.hidden)),
+                         ("attn_v.weight", (kv, shape.hidden)), ("attn_output.weight", (shape.hidden, shape.hidden)),
+                         ("ffn_gate.weight", (shape.intermediate, shape.hidden)),
+                         ("ffn_up.weight", (shape.intermediate, shape.hidden)),
+                         ("ffn_down.weight", (shape.hidden, shape.intermediate))):
+        if name.endswith(suffix):
+            return dims
+    return shape.vocab, shape.hidden  # token_embd, output
+
+
+def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
+    from engine.model_loader import default_gguf_path
+
+    source = GGUFReader(default_gguf_path())
+    field = lambda key: source.fields[key].contents()  # noqa: E731
+    tokens, types = list(field("tokenizer.ggml.tokens")), list(field("tokenizer.ggml.token_type"))
+    pad = vocab - len(tokens)
+    if pad < 0:
+        raise ValueError(f"vocabulary {vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    writer.add_token_list(tokens + [f"<|reserved_special_token_{i}|>" for i in range(pad)])
+    writer.add_token_types(types + [TokenType.CONTROL] * pad)
+    writer.add_token_merges(list(field("tokenizer.ggml.merges")))
+    writer.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
+    writer.add_pad_token_id(field("tokenizer.ggml.padding_token_id"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(field("tokenizer.chat_template"))
+
+
+def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = "") -> Path:
+    rng = np.random.default_rng(seed)
+    tmp = out.with_suffix(".partial")
+    writer = GGUFWriter(tmp, shape.arch)
+    writer.add_name(f"random {name or shape.arch} {quant}")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q4_K_M if quant == "q4_k_m" else LlamaFileType.MOSTLY_Q8_0)
+    _tokenizer(writer, shape.vocab)
+    norm = np.ones(shape.hidden, dtype=np.float32)
+    types = tensor_types(shape, quant)
+    for name, kind in types.items():
+        rows, cols = _dims(shape, name)
+        if name.startswith("blk.") and name.endswith("attn_q.weight"):
+            layer = name.split(".")[1]
+            writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
+            writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
+            if shape.qkv_bias:
+                head_dim = shape.hidden // shape.heads
+                for proj, width in (("q", shape.hidden), ("k", shape.kv_heads * head_dim),
+                                    ("v", shape.kv_heads * head_dim)):
+                    writer.add_tensor(f"blk.{layer}.attn_{proj}.bias",
+                                      rng.normal(0, 0.02, width).astype(np.float32))
+        writer.add_tensor(name, random_blocks(rng, rows, cols, kind), raw_dtype=kind)
+    writer.add_tensor("output_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+def cached_model(shape_name: str, quant: str, seed: int = 0) -> Path:
+    """The file for this shape and mix, written once into the cache folder."""
+    root = Path(os.environ.get("HARPOON_CACHE", Path.home() / ".cache" / "harpoon")) / "random-models"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{shape_name}-{quant}-seed{seed}.gguf"
+    return path if path.exists() else write_model(SHAPES[shape_name], quant, path, seed, shape_name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtest.models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--quant", choices=QUANTS, default="q4_k_m")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write here instead of the cache folder")
+    args = p.parse_args(argv)
+    path = (write_model(SHAPES[args.shape], args.quant, Path(args.out), args.seed, args.shape) if args.out
+            else cached_model(args.shape, args.quant, args.seed))
+    print(path, f"{path.stat().st_size / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

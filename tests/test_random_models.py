@@ -1,0 +1,48 @@
+"""loadtest/models.py: random-weight GGUF models of real shapes, written with gguf-py, read back by gguf-py and
+served by the engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from loadtest.models import SHAPES, Shape, tensor_types, use_more_bits, write_model
+
+SMALL = Shape("llama", 256, 512, 8, 4, 2, 49160, 10000.0, 2048, tied=False)  # vocab: the tokenizer's, padded
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "q8_0"])
+def test_a_random_model_has_the_mix_and_range_asked_for_and_serves(quant, tmp_path):
+    path = write_model(SMALL, quant, tmp_path / f"small-{quant}.gguf", seed=1)
+    reader = GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    expected = tensor_types(SMALL, quant)
+    assert {name: types[name] for name in expected} == {name: kind.name for name, kind in expected.items()}
+    if quant == "q4_k_m":  # attn_v and ffn_down of layers 0, 3, 6 and 7 (of 8), and the output, get Q6_K
+        assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+        assert Counter(types.values()) == {"Q4_K": 1 + 8 * 5 + 4 * 2, "Q6_K": 1 + 4 * 2, "F32": 8 * 2 + 1}
+    for tensor in reader.tensors:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        assert np.isfinite(weights).all()
+        if tensor.tensor_type.name != "F32":  # (the norms are ones)
+            assert np.abs(weights).max() <= 0.06 and 0.005 < weights.std() < 0.04 and abs(weights.mean()) < 0.002
+    vocab = next(f for k, f in reader.fields.items() if k == "tokenizer.ggml.tokens").contents()
+    assert len(vocab) == SMALL.vocab and vocab[-1] == "<|reserved_special_token_7|>"
+
+    if quant != "q4_k_m":
+        return  # one of the two through the engine is enough: both load through the same path
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.engine.vocab_size == SMALL.vocab
+
+
+def test_the_real_shapes_have_k_quant_rows():
+    for shape in SHAPES.values():  # every input dimension must hold whole 256-value blocks
+        assert shape.hidden % 256 == 0 and shape.intermediate % 256 == 0
+        assert shape.hidden % shape.heads == 0 and shape.heads % shape.kv_heads == 0
