@@ -1,0 +1,91 @@
+"""What loading a model costs a server: seconds until healthy, the peak resident memory of the server's whole
+process tree (API and engine processes) while it loads and serves, and, for scale, the seconds to read the file
+once. Then a short c1 run for the token rate.
+
+    python -m loadtest.lab.load_cost --model ~/.cache/harpoon/random-models/llama-3.2-1b-q4_k_m-seed0.gguf
+
+The figures set the targets of a GGUF loader (peak RSS against the file's size, load time against one read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+from loadtest.processes import start, stop, wait_healthy
+from loadtest.serve import BenchConfig, benchmark_point, load_tokenizer
+
+_PAGE = 4096
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants, now."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * _PAGE
+            for task in Path(f"/proc/{p}/task").iterdir():
+                children = (task / "children").read_text().split()
+                todo += [int(c) for c in children]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def read_seconds(path: Path) -> float:
+    """Seconds to read the file once, through the page cache as a loader would see it on a second start."""
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--serve-args", default="--max-model-len 2048 --kv-cache-memory 1GiB")
+    p.add_argument("--prompts", type=int, default=4, help="c1 requests of 128 in / 128 out after loading")
+    args = p.parse_args(argv)
+    path = Path(args.model).expanduser()
+    size = path.stat().st_size
+    read_s = read_seconds(path)
+    log = Path(f"/tmp/load_cost_{args.port}.log")
+    started = time.perf_counter()
+    server = start([sys.executable, "-m", "server", "--port", str(args.port), "--model", str(path),
+                    "--log-level", "info", *args.serve_args.split()], log)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss(server.pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{args.port}", server, log, timeout=1800)
+        load_s = time.perf_counter() - started
+        load_peak = peak[0]
+        cfg = BenchConfig(base_url=f"http://127.0.0.1:{args.port}", num_prompts=args.prompts, input_len=128,
+                          output_len=128, max_concurrency=1, num_warmups=0)
+        summary = benchmark_point(cfg, load_tokenizer(None), None, progress=False)["summary"]
+    finally:
+        done.set()
+        stop([server])
+    gib = 2**30
+    print(f"file {size / gib:.2f} GiB, read once in {read_s:.1f} s")
+    print(f"healthy after {load_s:.1f} s ({load_s / max(read_s, 1e-3):.0f}x one read); peak RSS while loading "
+          f"{load_peak / gib:.2f} GiB ({load_peak / size:.1f}x the file), while serving {peak[0] / gib:.2f} GiB")
+    print(f"c1, 128 in / 128 out: TPOT p50 {summary['tpot_ms']['median']:.1f} ms, TTFT p50 "
+          f"{summary['ttft_ms']['median']:.0f} ms, {summary['output_throughput']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
