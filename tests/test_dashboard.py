@@ -114,14 +114,16 @@ def test_the_dashboard_draws_the_pool_the_queue_and_a_timeline_as_the_json_says(
                            timeout=10_000)
 
     # A request running now: the page shows it and the blocks it holds.
-    started = threading.Event()
+    started, seen = threading.Event(), threading.Event()
 
-    def long_stream() -> None:
+    def long_stream() -> None:  # most of the pool; the client leaves once the page has been checked
         with httpx.stream("POST", f"{server.base_url}/v1/completions", headers=AUTH, timeout=300,
-                          json={"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
+                          json={"prompt": "Count slowly:", "max_tokens": 900, "ignore_eos": True,
                                 "stream": True}) as s:
             for _ in s.iter_lines():
                 started.set()
+                if seen.is_set():
+                    break
 
     worker = threading.Thread(target=long_stream)
     worker.start()
@@ -137,4 +139,5 @@ def test_the_dashboard_draws_the_pool_the_queue_and_a_timeline_as_the_json_says(
         if os.environ.get("HARPOON_DASHBOARD_SCREENSHOT"):
             page.screenshot(path=os.environ["HARPOON_DASHBOARD_SCREENSHOT"], full_page=True)
     finally:
+        seen.set()
         worker.join(300)
