@@ -3,18 +3,21 @@ with no download. The files go to a cache folder (``$HARPOON_CACHE/random-models
 
     python -m loadtest.models --shape llama-3.2-1b --quant q4_k_m      # prints the file's path
     python -m loadtest.models --shape llama-3.1-8b --quant q8_0 --out /data/llama8b-q8.gguf
+    python -m loadtest.models --shape llama-3.2-1b --quant bf16       # a Hugging Face folder of bf16 safetensors
 
 The quantized blocks are written directly, with random bits and scales chosen so the weights come out around
 +/-0.05 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would
 need their 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output
 and for ``attn_v``/``ffn_down`` in the first and last eighth of the layers and every third layer between. The
 tokenizer is the bundled SmolLM2's (BPE, its merges and chat template), its token list padded with reserved
-tokens up to the shape's vocabulary.
+tokens up to the shape's vocabulary. ``bf16`` writes a Hugging Face folder instead (config, the same tokenizer,
+weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that no more than a layer is ever in memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +49,7 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 500000.0, 131072, tied=False),
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
 }
-QUANTS = ("q4_k_m", "q8_0")
+QUANTS = ("q4_k_m", "q8_0", "bf16")
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -168,10 +171,72 @@ def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = 
     return out
 
 
+def _hf_tensors(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of one layer's tensors, or (None) of those outside the layers."""
+    if layer is None:
+        names = {"model.embed_tokens.weight": (shape.vocab, shape.hidden), "model.norm.weight": (shape.hidden,)}
+        if not shape.tied:
+            names["lm_head.weight"] = (shape.vocab, shape.hidden)
+        return names
+    kv = shape.kv_heads * (shape.hidden // shape.heads)
+    p = f"model.layers.{layer}."
+    h = shape.hidden
+    names = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+             p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+             p + "mlp.gate_proj.weight": (shape.intermediate, shape.hidden),
+             p + "mlp.up_proj.weight": (shape.intermediate, shape.hidden),
+             p + "mlp.down_proj.weight": (shape.hidden, shape.intermediate)}
+    if shape.qkv_bias:
+        names.update({p + "self_attn.q_proj.bias": (shape.hidden,), p + "self_attn.k_proj.bias": (kv,),
+                      p + "self_attn.v_proj.bias": (kv,)})
+    return names
+
+
+def write_hf_bf16(shape: Shape, out: Path, seed: int = 0) -> Path:
+    """A Hugging Face folder of random bf16 weights, written a layer at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.model_loader import default_gguf_path, gguf_to_folder
+
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for index, layer in enumerate([None, *range(shape.layers)]):
+        shard = f"model-{index:05d}-of-{shape.layers + 1:05d}.safetensors"
+        tensors = {}
+        for name, dims in _hf_tensors(shape, layer).items():
+            norm = name.endswith("norm.weight")
+            t = torch.ones(dims) if norm else torch.randn(dims, generator=generator) * 0.02
+            tensors[name] = t.to(torch.bfloat16)
+            weight_map[name] = shard
+        save_file(tensors, str(tmp / shard))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}[shape.arch]
+    config = {"architectures": [arch[0]], "model_type": arch[1], "hidden_size": shape.hidden,
+              "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+              "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+              "rope_theta": shape.rope_theta, "max_position_embeddings": shape.context, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": shape.tied, "torch_dtype": "bfloat16", "hidden_act": "silu",
+              "bos_token_id": 1, "eos_token_id": 2}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer = gguf_to_folder(default_gguf_path())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer / name).exists():
+            (tmp / name).write_bytes((tokenizer / name).read_bytes())
+    tmp.rename(out)
+    return out
+
+
 def cached_model(shape_name: str, quant: str, seed: int = 0) -> Path:
-    """The file for this shape and mix, written once into the cache folder."""
+    """The file (or for bf16 the folder) for this shape and mix, written once into the cache folder."""
     root = Path(os.environ.get("HARPOON_CACHE", Path.home() / ".cache" / "harpoon")) / "random-models"
     root.mkdir(parents=True, exist_ok=True)
+    if quant == "bf16":
+        path = root / f"{shape_name}-bf16-seed{seed}"
+        return path if path.exists() else write_hf_bf16(SHAPES[shape_name], path, seed)
     path = root / f"{shape_name}-{quant}-seed{seed}.gguf"
     return path if path.exists() else write_model(SHAPES[shape_name], quant, path, seed, shape_name)
 
@@ -184,9 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write here instead of the cache folder")
     args = p.parse_args(argv)
-    path = (write_model(SHAPES[args.shape], args.quant, Path(args.out), args.seed, args.shape) if args.out
-            else cached_model(args.shape, args.quant, args.seed))
-    print(path, f"{path.stat().st_size / 2**20:.0f} MiB")
+    if args.out:
+        shape, out = SHAPES[args.shape], Path(args.out)
+        path = (write_hf_bf16(shape, out, args.seed) if args.quant == "bf16"
+                else write_model(shape, args.quant, out, args.seed, args.shape))
+    else:
+        path = cached_model(args.shape, args.quant, args.seed)
+    size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+    print(path, f"{size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

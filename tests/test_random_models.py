@@ -46,3 +46,20 @@ def test_the_real_shapes_have_k_quant_rows():
     for shape in SHAPES.values():  # every input dimension must hold whole 256-value blocks
         assert shape.hidden % 256 == 0 and shape.intermediate % 256 == 0
         assert shape.hidden % shape.heads == 0 and shape.heads % shape.kv_heads == 0
+
+
+def test_a_random_bf16_folder_loads_in_transformers_and_serves_without_an_fp32_copy(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loadtest.models import write_hf_bf16
+
+    shape = Shape("qwen2", 256, 512, 2, 4, 2, 49152, 10000.0, 2048, tied=True, qkv_bias=True)
+    folder = write_hf_bf16(shape, tmp_path / "qwen2-small-bf16", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    assert hf.config.torch_dtype == torch.bfloat16 and hf.model.layers[1].self_attn.k_proj.bias.shape == (128,)
+    assert abs(hf.model.layers[0].mlp.down_proj.weight.float().std().item() - 0.02) < 0.002
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, kv_cache_memory=16 << 20)
+    assert all(p.dtype != torch.float32 or p.dim() == 1 for p in llm.engine.model.parameters())  # norms, biases only
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -37,24 +37,30 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def model_files(path: Path) -> list[Path]:
+    """The file, or a folder's weight files."""
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+
+
 def read_seconds(path: Path) -> float:
-    """Seconds to read the file once, through the page cache as a loader would see it on a second start."""
+    """Seconds to read the weights once, through the page cache as a loader would see them on a second start."""
     started = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
+    for file in model_files(path):
+        with open(file, "rb") as f:
+            while f.read(64 << 20):
+                pass
     return time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--serve-args", default="--max-model-len 2048 --kv-cache-memory 1GiB")
     p.add_argument("--prompts", type=int, default=4, help="c1 requests of 128 in / 128 out after loading")
     args = p.parse_args(argv)
     path = Path(args.model).expanduser()
-    size = path.stat().st_size
+    size = sum(f.stat().st_size for f in model_files(path))
     read_s = read_seconds(path)
     log = Path(f"/tmp/load_cost_{args.port}.log")
     started = time.perf_counter()
