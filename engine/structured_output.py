@@ -22,6 +22,7 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,6 +36,7 @@ from kernels import cdiv
 # the compile 1.5-2x as long (loadtest/grammar_compile.py). SCHED_IDLE spared the steps wholly but starved the
 # compile for as long as the load lasted (10 s at 64 streams).
 COMPILE_NICENESS = 10
+RECENT_GRAMMARS = 32  # compiled grammars kept for an answer without the compile thread (xgrammar keeps more)
 CACHE_LIMIT_BYTES = 256 << 20  # the most memory xgrammar's cache of compiled grammars may hold, per process
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
@@ -90,6 +92,10 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler = None
         self._executor: ThreadPoolExecutor | None = None
+        # The grammars compiled last, so that a request whose schema was seen lately gets its matcher at once
+        # instead of waiting its turn on the compile thread (which runs at a lower priority than the steps).
+        self._recent: OrderedDict[StructuredOutputsParams, object] = OrderedDict()
+        self._recent_lock = threading.Lock()
 
     def _xgrammar_compiler(self) -> object:
         if self._compiler is None:
@@ -108,12 +114,23 @@ class GrammarCompiler:
         any_whitespace = not params.disable_any_whitespace
         with _user_errors(params.kind):
             if params.kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
-            if params.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-            if params.kind == "regex":
-                return compiler.compile_regex(params.regex)
-            return compiler.compile_grammar(_ebnf(params))
+                compiled = compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
+            elif params.kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            elif params.kind == "regex":
+                compiled = compiler.compile_regex(params.regex)
+            else:
+                compiled = compiler.compile_grammar(_ebnf(params))
+        with self._recent_lock:
+            self._recent[params] = compiled
+            self._recent.move_to_end(params)
+            while len(self._recent) > RECENT_GRAMMARS:
+                self._recent.popitem(last=False)
+        return compiled
+
+    def recently_compiled(self, params: StructuredOutputsParams) -> object | None:
+        with self._recent_lock:
+            return self._recent.get(params)
 
     def grammar(self, params: StructuredOutputsParams) -> Grammar:
         import xgrammar as xgr
@@ -121,7 +138,15 @@ class GrammarCompiler:
         return Grammar(xgr.GrammarMatcher(self.compile(params)))
 
     def submit(self, params: StructuredOutputsParams) -> Future[Grammar]:
-        """``grammar(params)`` on the compile thread, one grammar at a time in the order submitted."""
+        """``grammar(params)`` on the compile thread, one grammar at a time in the order submitted; a grammar
+        compiled lately is answered at once, its future already done."""
+        compiled = self.recently_compiled(params)
+        if compiled is not None:
+            import xgrammar as xgr
+
+            done: Future[Grammar] = Future()
+            done.set_result(Grammar(xgr.GrammarMatcher(compiled)))
+            return done
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
                                                 initializer=_lower_priority)

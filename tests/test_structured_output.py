@@ -248,7 +248,8 @@ def test_bad_grammars_are_rejected_before_the_pool(engine, chat_ids, grammar, me
 
 
 def held_compiles(engine: EngineCore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Hold every grammar compile on the engine's compile thread until the returned event is set."""
+    """Hold every grammar compile on the engine's compile thread until the returned event is set (none is answered
+    from the grammars compiled lately)."""
     gate = threading.Event()
     compile_grammar = engine.grammars.grammar
 
@@ -257,7 +258,19 @@ def held_compiles(engine: EngineCore, monkeypatch: pytest.MonkeyPatch) -> thread
         return compile_grammar(params)
 
     monkeypatch.setattr(engine.grammars, "grammar", held)
+    monkeypatch.setattr(engine.grammars, "recently_compiled", lambda params: None)
     return gate
+
+
+def test_a_grammar_compiled_lately_runs_from_the_first_step(engine, chat_ids, monkeypatch):
+    """No wait on the compile thread for a schema seen lately: the request is scheduled by the step after it."""
+    engine.grammars.compile(GRAMMARS[2])
+    monkeypatch.setattr(engine.grammars, "grammar", lambda params: pytest.fail("went to the compile thread"))
+    engine.add_request("seen", chat_ids[2], greedy(GRAMMARS[2]))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["seen"] and outputs[0].new_token_ids
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_requests_step_on_while_a_grammar_compiles(engine, chat_ids, expected, monkeypatch):
@@ -303,6 +316,7 @@ def test_a_grammar_that_fails_to_compile_finishes_its_request_with_the_error(eng
         raise ValueError("the JSON schema was rejected: out of memory")
 
     monkeypatch.setattr(engine.grammars, "grammar", failing)
+    monkeypatch.setattr(engine.grammars, "recently_compiled", lambda params: None)
     engine.add_request("bad", chat_ids[0], greedy(GRAMMARS[0]))
     engine.add_request("plain", chat_ids[1], SamplingParams(temperature=0, max_tokens=3))
     outputs = []
