@@ -10,6 +10,7 @@ The figures set the targets of a GGUF loader (peak RSS against the file's size, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from loadtest.processes import start, stop, wait_healthy
 from loadtest.serve import BenchConfig, benchmark_point, load_tokenizer
 
-_PAGE = 4096
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def tree_rss(pid: int) -> int:
