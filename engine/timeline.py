@@ -12,6 +12,7 @@ events, not one per token. Times are ``time.monotonic()`` seconds, one clock for
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -159,9 +160,8 @@ class Timelines:
 
     def recent(self, limit: int) -> list[dict]:
         """Summaries of the running requests and the last finished ones, newest first, at most ``limit``."""
-        rows = [t.summary() for t in reversed(self.live.values())]
-        rows += [t.summary() for t in reversed(self.finished.values())][: max(0, limit - len(rows))]
-        return rows[:limit]
+        newest = itertools.chain(reversed(self.live.values()), reversed(self.finished.values()))
+        return [t.summary() for t in itertools.islice(newest, limit)]
 
     def get(self, request_id: str) -> list[dict]:
         """The timelines of ``request_id``: the engine request itself, or the samples a server request fanned out
