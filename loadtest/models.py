@@ -95,17 +95,23 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, GGMLQuantizationType]:
     return types
 
 
+# A layer's projections: GGUF's name, and Hugging Face's under ``model.layers.N.``
+_PROJECTIONS = (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                ("ffn_down", "mlp.down_proj"))
+
+
+def _projection_dims(shape: Shape) -> dict[str, tuple[int, int]]:
+    """(rows, cols) of each projection by its GGUF name: rows are the outputs, cols the inputs (ne[1], ne[0])."""
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * (shape.hidden // shape.heads)
+    return {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h), "ffn_gate": (i, h),
+            "ffn_up": (i, h), "ffn_down": (h, i)}
+
+
 def _dims(shape: Shape, name: str) -> tuple[int, int]:
-    """(rows, cols) of a weight: rows are the outputs, cols the inputs (GGUF's ne[1], ne[0])."""
-    head_dim = shape.hidden // shape.heads
-    kv = shape.kv_heads * head_dim
-    for suffix, dims in (("attn_q.weight", (shape.hidden, shape.hidden)), ("attn_k.weight", (kv, shape.hidden)),
-                         ("attn_v.weight", (kv, shape.hidden)), ("attn_output.weight", (shape.hidden, shape.hidden)),
-                         ("ffn_gate.weight", (shape.intermediate, shape.hidden)),
-                         ("ffn_up.weight", (shape.intermediate, shape.hidden)),
-                         ("ffn_down.weight", (shape.hidden, shape.intermediate))):
-        if name.endswith(suffix):
-            return dims
+    """(rows, cols) of a GGUF weight."""
+    if name.startswith("blk."):
+        return _projection_dims(shape)[name.split(".")[2]]
     return shape.vocab, shape.hidden  # token_embd, output
 
 
@@ -156,11 +162,10 @@ def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = 
             writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
             writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
             if shape.qkv_bias:
-                head_dim = shape.hidden // shape.heads
-                for proj, width in (("q", shape.hidden), ("k", shape.kv_heads * head_dim),
-                                    ("v", shape.kv_heads * head_dim)):
-                    writer.add_tensor(f"blk.{layer}.attn_{proj}.bias",
-                                      rng.normal(0, 0.02, width).astype(np.float32))
+                dims = _projection_dims(shape)
+                for proj in ("attn_q", "attn_k", "attn_v"):
+                    writer.add_tensor(f"blk.{layer}.{proj}.bias",
+                                      rng.normal(0, 0.02, dims[proj][0]).astype(np.float32))
         writer.add_tensor(name, random_blocks(rng, rows, cols, kind), raw_dtype=kind)
     writer.add_tensor("output_norm.weight", norm)
     writer.write_header_to_file()
@@ -178,18 +183,11 @@ def _hf_tensors(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]:
         if not shape.tied:
             names["lm_head.weight"] = (shape.vocab, shape.hidden)
         return names
-    kv = shape.kv_heads * (shape.hidden // shape.heads)
-    p = f"model.layers.{layer}."
-    h = shape.hidden
-    names = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-             p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-             p + "mlp.gate_proj.weight": (shape.intermediate, shape.hidden),
-             p + "mlp.up_proj.weight": (shape.intermediate, shape.hidden),
-             p + "mlp.down_proj.weight": (shape.hidden, shape.intermediate)}
+    p, dims = f"model.layers.{layer}.", _projection_dims(shape)
+    names = {p + "input_layernorm.weight": (shape.hidden,), p + "post_attention_layernorm.weight": (shape.hidden,)}
+    names.update({f"{p}{hf}.weight": dims[gguf] for gguf, hf in _PROJECTIONS})
     if shape.qkv_bias:
-        names.update({p + "self_attn.q_proj.bias": (shape.hidden,), p + "self_attn.k_proj.bias": (kv,),
-                      p + "self_attn.v_proj.bias": (kv,)})
+        names.update({f"{p}{hf}.bias": dims[gguf][:1] for gguf, hf in _PROJECTIONS[:3]})
     return names
 
 
