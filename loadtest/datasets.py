@@ -66,7 +66,8 @@ def build_requests(kind: str, tokenizer: PreTrainedTokenizerBase, num: int, inpu
         for _ in range(num):
             n_in, n_out = _spread(rng, input_len, range_ratio), _spread(rng, output_len, range_ratio)
             suffix = _text_of_length(tokenizer, rng, n_in, vocab)
-            requests.append(BenchRequest(rng.choice(prefixes) + suffix, prefix_len + n_in, n_out))
+            prefix = prefixes[0] if num_prefixes == 1 else rng.choice(prefixes)  # one: the draws of before
+            requests.append(BenchRequest(prefix + suffix, prefix_len + n_in, n_out))
     else:
         raise ValueError(f"unknown dataset {kind!r}; expected random, chat or prefix")
     return requests
