@@ -241,6 +241,6 @@ class LedgerProbe:
         ).refreshed()
 
 
-def environment_rss() -> dict[str, int]:
+def process_memory() -> dict[str, int]:
     """This process's RSS and peak, for the API process's side of ``/debug/memory``."""
     return {"pid": os.getpid(), "rss": rss_bytes(), "peak_rss": peak_rss_bytes()}

@@ -15,7 +15,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from engine.memory_ledger import environment_rss
+from engine.memory_ledger import process_memory
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.protocol import APIError
 from server.stats_history import StatsHistory
@@ -57,7 +57,7 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable[[Req
     @app.get("/debug/memory", dependencies=[Depends(check_key)])
     async def memory() -> JSONResponse:
         """The engine process's memory ledger (``engine/memory_ledger.py``) measured now, and this process's RSS."""
-        return JSONResponse({"engine": await ask("memory"), "api_process": environment_rss()})
+        return JSONResponse({"engine": await ask("memory"), "api_process": process_memory()})
 
     @app.get("/debug/stats", dependencies=[Depends(check_key)])
     async def stats() -> JSONResponse:
