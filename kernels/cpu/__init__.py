@@ -139,9 +139,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, and
-# BF16C panels (int16: the BF16 layout, computed in bfloat16)
-WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5}
+# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
+# panels (int16: the BF16 layout, computed in bfloat16), and the byte blocks Q5, Q6 and Q6M (blocks.BYTE_BLOCK_DTYPES:
+# their bytes viewed as int32, int64 and float64, dtypes that only name the format here)
+WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
+                  torch.int64: 7, torch.float64: 8}
 # enum hp_kv_format (ops.h) of each K/V pool dtype
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -164,6 +166,19 @@ def pack_weight_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     if packed is None and blocks.q8_enabled():
         packed = blocks.pack_weight_q8(weight, width)
     return packed
+
+
+def pack_blocks(kind: str, values: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Panels of a weight given as blocks (``engine/models/quantized.py``'s kinds): ``values`` [N, K/32, 32], d
+    [N, K/32] (q6, q6m: [N, K/16], a d per 16 inputs), m like d or None. ``linear`` computes from them the bits it
+    computes from the fp32 panels of the dequantized weight."""
+    width = _library().hp_panel_width()
+    if kind == "q4":
+        return blocks.pack_q4(d, m, values, width)
+    halves = [d[:, 0::2], d[:, 1::2]] if kind in ("q6", "q6m") else [d]
+    if m is not None:
+        halves += [m[:, 0::2], m[:, 1::2]] if kind == "q6m" else [m]
+    return blocks.pack_bytes(kind, halves, values, width)
 
 
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
@@ -213,15 +228,17 @@ def set_bf16_emulation(on: bool) -> None:
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
-    """(in_features, output columns held) of fp32, Q4, Q8 or BF16 panels."""
+    """(in_features, output columns held) of panels of any format in ``WEIGHT_FORMATS``."""
     if packed.dtype not in WEIGHT_FORMATS or packed.dim() != 3:
         raise ValueError(f"expected packed panels of {sorted(map(str, WEIGHT_FORMATS))}, got {packed.dtype} "
                          f"{tuple(packed.shape)}")
-    block_bytes = {torch.uint8: blocks.q4_block_bytes, torch.int8: blocks.q8_block_bytes}.get(packed.dtype)
-    if block_bytes is not None:
-        width, name = _library().hp_panel_width(), "Q4" if packed.dtype == torch.uint8 else "Q8"
-        if packed.shape[2] != block_bytes(width):
-            raise ValueError(f"{name} panels hold {block_bytes(width)} bytes per 32 inputs, got {tuple(packed.shape)}")
+    width = _library().hp_panel_width()
+    if packed.dtype == torch.uint8 or packed.dtype in blocks.BYTE_BLOCK_SCALES:
+        expected = (blocks.q4_block_bytes(width) if packed.dtype == torch.uint8
+                    else blocks.q8_block_bytes(width, blocks.BYTE_BLOCK_SCALES[packed.dtype]))
+        if packed.shape[2] * packed.element_size() != expected:
+            raise ValueError(f"{blocks.BLOCK_PANEL_NAMES[packed.dtype]} panels hold {expected} bytes per 32 inputs, "
+                             f"got {tuple(packed.shape)} {packed.dtype}")
         return packed.shape[1] * blocks.GROUP, packed.shape[0] * width
     return packed.shape[1], packed.shape[0] * packed.shape[2]
 

@@ -10,7 +10,9 @@ registers, so products are bit-identical to the fp32 panels' (tested). Nothing i
 this way only when every one of its values is reproduced exactly; others take BF16 or fp32 panels
 (``pack_weight_compact``). The same panels hold the other GGUF formats that are such blocks per 32 inputs once
 dequantized: Q4_0 and Q4_K in Q4 panels (Q4_K's d and m have up to 17 significant bits, not 11: still exact), Q5_0
-in Q8 panels; Q5_1, Q5_K and Q6_K are not (a 5-bit q with an m, or a scale per 16 inputs) and keep fp32 panels.
+in Q8 panels; Q5_1, Q5_K and Q6_K are not (a 5-bit q with an m, or a scale per 16 inputs) and keep fp32 panels
+when found in fp32 weights. A GGUF file read directly (``engine/gguf_weights.py``) hands its blocks over as they are
+(``pack_q4``, ``pack_bytes``), and those three go to Q5 and Q6 panels (and a fused projection mixing types to Q6M).
 
 NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_Q8=0`` keep such weights in fp32 panels (for A/B measurements).
 """
@@ -39,9 +41,17 @@ def q4_block_bytes(panel_width: int) -> int:
     return 2 * panel_width * 4 + GROUP * panel_width // 2
 
 
-def q8_block_bytes(panel_width: int) -> int:
-    """Bytes of one Q8 panel's 32 inputs: d for each column as a float, then a byte per weight."""
-    return panel_width * 4 + GROUP * panel_width
+def q8_block_bytes(panel_width: int, scales: int = 1) -> int:
+    """Bytes of one Q8 panel's 32 inputs: d for each column as a float, then a byte per weight. Q5, Q6 (2) and Q6M
+    (4) panels hold more ``scales`` vectors before the bytes."""
+    return scales * panel_width * 4 + GROUP * panel_width
+
+
+# The panel formats of byte blocks (ops.c): the packed tensor's dtype names its format (kernels.cpu.WEIGHT_FORMATS),
+# and its scale vectors per 32 inputs, in order: Q8 d; Q5 d, m; Q6 d (k 0..15), d (k 16..31); Q6M d, d, m, m.
+BYTE_BLOCK_DTYPES = {"q8": torch.int8, "q5": torch.int32, "q6": torch.int64, "q6m": torch.float64}
+BYTE_BLOCK_SCALES = {torch.int8: 1, torch.int32: 2, torch.int64: 2, torch.float64: 4}
+BLOCK_PANEL_NAMES = {torch.uint8: "Q4", torch.int8: "Q8", torch.int32: "Q5", torch.int64: "Q6", torch.float64: "Q6M"}
 
 
 Blocks = tuple[torch.Tensor, ...]
@@ -97,9 +107,11 @@ def pack_weight_q4(weight: torch.Tensor, panel_width: int) -> torch.Tensor | Non
     columns), or None where it is not exactly Q4 (see ``q4_blocks``). The layout is documented at Q4_BLOCK_BYTES in
     ops.c: per panel and 32 inputs, d [P] and m [P] as floats, then lanes of eight nibbles of one column."""
     found = q4_blocks(weight)
-    if found is None:
-        return None
-    d, m, q = found
+    return None if found is None else pack_q4(*found, panel_width)
+
+
+def pack_q4(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, panel_width: int) -> torch.Tensor:
+    """Q4 panels of ``d q + m``: d, m [N, K/32] fp32, q [N, K/32, 32] uint8 in 0..15 (see ``pack_weight_q4``)."""
     groups = d.shape[1]
     panels, vectors = cdiv(d.shape[0], panel_width), panel_width // 8
     # q [column = 8 v + lane, group, 8 g + 2 b + h] -> [group, g, v, lane, byte b]: nibble h of byte b is k = 2 b + h
@@ -114,12 +126,20 @@ def pack_weight_q8(weight: torch.Tensor, panel_width: int) -> torch.Tensor | Non
     columns), or None where it is not exactly Q8 (see ``q8_blocks``). The layout is documented at Q8_BLOCK_BYTES in
     ops.c: per panel and 32 inputs, d [P] as floats, then lanes of four bytes of one column."""
     found = q8_blocks(weight)
-    if found is None:
-        return None
-    d, q = found
-    groups = d.shape[1]
-    panels, vectors = cdiv(d.shape[0], panel_width), panel_width // 8
+    return None if found is None else pack_bytes("q8", [found[0]], found[1], panel_width)
+
+
+def pack_bytes(kind: str, scales: list[torch.Tensor], q: torch.Tensor, panel_width: int) -> torch.Tensor:
+    """Panels of byte blocks (``BYTE_BLOCK_DTYPES[kind]``): ``scales`` [N, K/32] fp32 each, in the order the format
+    reads them, then q [N, K/32, 32] (int8, or uint8 values below 128) in the int8 panel layout. The bytes are those
+    of int8 [ceil(N / P), K / 32, q8_block_bytes(P, len(scales))], viewed as the format's dtype."""
+    dtype = BYTE_BLOCK_DTYPES[kind]
+    if len(scales) != BYTE_BLOCK_SCALES[dtype]:
+        raise ValueError(f"{kind} panels hold {BYTE_BLOCK_SCALES[dtype]} scale vectors, got {len(scales)}")
+    n, groups = q.shape[:2]
+    panels, vectors = cdiv(n, panel_width), panel_width // 8
     # q [column = 8 v + lane, group, 4 g + b] -> [group, g, v, lane, byte b]
-    q = _padded(q, panels, panel_width).view(panels, vectors, 8, groups, GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
-    return torch.cat([_panel_scales(d, panels, panel_width).view(torch.int8), q.reshape(panels, groups, -1)],
-                     dim=-1).contiguous()
+    q = _padded(q.view(torch.int8), panels, panel_width).view(panels, vectors, 8, groups, GROUP // 4, 4)
+    q = q.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
+    vectors_of = [_panel_scales(s.float(), panels, panel_width).view(torch.int8) for s in scales]
+    return torch.cat([*vectors_of, q], dim=-1).contiguous().view(dtype)

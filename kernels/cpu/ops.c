@@ -134,7 +134,10 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
 static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v8f); }
 
 /* The formats of packed weights (HP_F32 ... in ops.h); one body of the micro-kernel is compiled for each. */
-enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8 };
+enum {
+    F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8,
+    Q5_PANELS = HP_Q5, Q6_PANELS = HP_Q6, Q6M_PANELS = HP_Q6M
+};
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
  * Q4_1 blocks, as the default SmolLM2 weights are, or Q4_0 or Q4_K; d of at most 17 significant bits): for each 32 k
@@ -150,6 +153,19 @@ enum { F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = 
 #define Q8_GROUP 32
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_GROUP * NR)
 _Static_assert(Q4_GROUP == Q8_GROUP, "micro_kernel walks the blocks of both formats in one loop");
+
+/* Q5, Q6 and Q6M panels are Q8 panels with more vectors of NR floats before the bytes of each 32 k. Q5: d, m; d q + m
+ * with q in 0..31 and d, m per 32 k (GGUF's Q5_K and Q5_1; d q exact, one rounding in the add, as Q4). Q6: d for k
+ * 0..15, d for k 16..31; d q with q in -32..31 (GGUF's Q6_K, whose d times its int8 sub-scale has at most 18
+ * significant bits, so d q is exact). 1.25 bytes a weight. Q6M: d, d, m, m, each per 16 k; d q + m: any of the
+ * above, for a fused projection whose rows come in different types (1.5 bytes a weight). */
+static inline int block_scales(int format) {
+    return format == Q8_PANELS ? 1 : format == Q6M_PANELS ? 4 : 2;
+}
+/* Bytes of one 32-k block of a Q4, Q8, Q5, Q6 or Q6M panel. */
+static inline int block_bytes(int format) {
+    return block_scales(format) * NR * 4 + (format == Q4_PANELS ? Q4_GROUP / 2 : Q8_GROUP) * NR;
+}
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 
@@ -215,24 +231,34 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                 accumulate(rows, c, x, ldx, k + kk, b);
             }
         }
-    } else { /* Q8 or Q4 panels (constant per call): per 32 inputs, d (Q4: and m) per column, then the weights */
-        const int q4 = format == Q4_PANELS, per_word = q4 ? 8 : 4;
+    } else { /* Q4, Q8, Q5, Q6 or Q6M panels (constant per call): per 32 inputs, the scale vectors, then the weights */
+        const int q4 = format == Q4_PANELS, q6m = format == Q6M_PANELS, halves = q6m || format == Q6_PANELS;
+        const int with_m = q4 || q6m || format == Q5_PANELS, m_at = q6m ? 2 : 1, per_word = q4 ? 8 : 4;
         for (int k = 0; k < kc; k += Q4_GROUP) {
-            const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * (q4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
-            const v8iu *words = (const v8iu *)(block + (1 + q4) * NR * sizeof(float));
+            const float *scales = (const float *)((const char *)panel + (int64_t)(k / Q4_GROUP) * block_bytes(format));
+            const v8iu *words = (const v8iu *)(scales + block_scales(format) * NR);
             v8f d[NV], m[NV];
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) d[v] = load8((const float *)block + 8 * v);
+            for (int v = 0; v < NV; v++) d[v] = load8(scales + 8 * v);
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) m[v] = q4 ? load8((const float *)block + NR + 8 * v) : (v8f){0};
+            for (int v = 0; v < NV; v++) m[v] = with_m ? load8(scales + m_at * NR + 8 * v) : (v8f){0};
             for (int g = 0; g < Q4_GROUP / per_word; g++) {
                 v8i w[NV];
+                if (halves && g == Q4_GROUP / per_word / 2) { /* the second 16 k: their own d (and m) */
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) d[v] = load8(scales + NR + 8 * v);
+                    if (q6m)
+#pragma GCC unroll 4
+                        for (int v = 0; v < NV; v++) m[v] = load8(scales + 3 * NR + 8 * v);
+                }
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) w[v] = words[g * NV + v];
 #pragma GCC unroll 8
                 for (int kk = 0; kk < per_word; kk++) {
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) b[v] = q4 ? q4_lane(w[v], kk, d[v], m[v]) : q8_lane(w[v], kk, d[v]);
+                    for (int v = 0; v < NV; v++)
+                        b[v] = q4 ? q4_lane(w[v], kk, d[v], m[v])
+                                  : with_m ? q8_lane(w[v], kk, d[v]) + m[v] : q8_lane(w[v], kk, d[v]);
                     accumulate(rows, c, x, ldx, k + per_word * g + kk, b);
                 }
             }
@@ -259,8 +285,8 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-/* A Q4, Q8 or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple of 32; of 2 for
- * BF16). */
+/* A Q4, Q8, Q5, Q6, Q6M or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple
+ * of 32; of 2 for BF16). */
 static void unpack(const void *panel, int kc, float *out, int format) {
     if (format == BF16_PANELS) {
         for (int k = 0; k < kc; k += 2)
@@ -271,16 +297,22 @@ static void unpack(const void *panel, int kc, float *out, int format) {
             }
         return;
     }
-    if (format == Q8_PANELS) {
+    if (format != Q4_PANELS) { /* byte blocks: Q8, Q5, Q6, Q6M */
+        const int halves = format == Q6_PANELS || format == Q6M_PANELS;
+        const int with_m = format == Q5_PANELS || format == Q6M_PANELS;
         for (int k = 0; k < kc; k += Q8_GROUP) {
-            const char *block = (const char *)panel + (int64_t)(k / Q8_GROUP) * Q8_BLOCK_BYTES;
-            const v8iu *bytes = (const v8iu *)(block + NR * sizeof(float));
-            for (int v = 0; v < NV; v++) {
-                v8f d = load8((const float *)block + 8 * v);
-                for (int g = 0; g < Q8_GROUP / 4; g++)
-                    for (int kk = 0; kk < 4; kk++)
-                        store8(out + (int64_t)(k + 4 * g + kk) * NR + 8 * v, q8_lane(bytes[g * NV + v], kk, d));
-            }
+            const float *scales = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
+            const v8iu *bytes = (const v8iu *)(scales + block_scales(format) * NR);
+            for (int v = 0; v < NV; v++)
+                for (int g = 0; g < Q8_GROUP / 4; g++) {
+                    const int second = halves && g >= Q8_GROUP / 8; /* k 16..31 of a block with scales per 16 */
+                    v8f d = load8(scales + second * NR + 8 * v);
+                    for (int kk = 0; kk < 4; kk++) {
+                        v8f w = q8_lane(bytes[g * NV + v], kk, d);
+                        if (with_m) w += load8(scales + (halves ? 2 + second : 1) * NR + 8 * v);
+                        store8(out + (int64_t)(k + 4 * g + kk) * NR + 8 * v, w);
+                    }
+                }
         }
         return;
     }
@@ -298,12 +330,12 @@ static void unpack(const void *panel, int kc, float *out, int format) {
     }
 }
 
-/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 2 == 0 for BF16, k % 32 == 0 for Q4 and Q8). */
+/* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 2 == 0 for BF16, k % 32 == 0 for the blocks). */
 static inline int64_t panel_bytes(int64_t k, int format) {
     if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
     if (format == BF16_PANELS) return k * NR * 2;
-    if (format == Q8_PANELS) return k / Q8_GROUP * Q8_BLOCK_BYTES;
-    return format == I8_PANELS ? k * NR : k / Q4_GROUP * Q4_BLOCK_BYTES;
+    if (format == I8_PANELS) return k * NR;
+    return k / Q4_GROUP * block_bytes(format);
 }
 
 #ifndef KC
@@ -348,7 +380,7 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
                                                                 const float *scales, float *y, int64_t ldy, int N,
                                                                 int K, int format) {
     int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-    const int widened = format == Q4_PANELS || format == Q8_PANELS || format == BF16_PANELS;
+    const int widened = format != F32_PANELS && format != I8_PANELS;
     float unpacked[widened ? KC * NR : 1] __attribute__((aligned(64)));
     for (int k0 = 0; k0 < K; k0 += KC) {
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
@@ -580,6 +612,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
 /* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
+ *   Q5 and Q6 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 bytes a weight; Q6M 1.5;
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
@@ -589,6 +622,12 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, Q4_PANELS)
     } else if (format == HP_Q8) {
         LINEAR_LOOP(bias, 0, Q8_PANELS)
+    } else if (format == HP_Q5) {
+        LINEAR_LOOP(bias, 0, Q5_PANELS)
+    } else if (format == HP_Q6) {
+        LINEAR_LOOP(bias, 0, Q6_PANELS)
+    } else if (format == HP_Q6M) {
+        LINEAR_LOOP(bias, 0, Q6M_PANELS)
     } else if (format == HP_BF16) {
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
