@@ -46,7 +46,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         files = resolve_model(config.model)
         self.model_name = files.name
-        self.model_path = files.path
+        self.model_path = files.source
         self.hf_config = load_config(files)
         self.tokenizer = load_tokenizer(files)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
@@ -64,7 +64,7 @@ class EngineCore:
         started = time.monotonic()
         with torch.device(self.device), _default_dtype(self.dtype):  # parameters made in the dtype: no fp32 copy
             model = build_model(self.hf_config, self.max_model_len, self.backend.make_attention)
-        model.load_weights(iter_weights(files))
+        model.load_weights(iter_weights(files, self.hf_config))
         self.model = model.eval()
         # GEMM FLOPs of a token through the layers, and of a row through the LM head (the step counters' gemm_flops)
         self._token_flops = sum(2 * m.in_features * m.out_features for m in model.layers.modules()

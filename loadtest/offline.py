@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_hf:
             from transformers import AutoModelForCausalLM
 
-            from engine.model_loader import resolve_model
+            from engine.model_loader import reference_folder
 
-            hf = AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(reference_folder(args.model), dtype=torch.float32).eval()
             hf_sweep_point(hf, prompt_ids, 8, True)  # warm-up
             rows += [hf_sweep_point(hf, prompt_ids, n, True) for n in points]
             rows += [hf_sweep_point(hf, prompt_ids, n, False) for n in points if n <= args.hf_no_cache_max]

@@ -103,11 +103,11 @@ class _DrainingServer(uvicorn.Server):
 
 
 async def serve(args: argparse.Namespace, engine_args: dict) -> None:
-    files = resolve_model(args.model)  # in this process first: a GGUF is converted once, here
+    files = resolve_model(args.model)  # in this process first: a GGUF file's config and tokenizer are read once, here
     tokenizer = load_tokenizer(files)
     if args.enable_debug_routes and not engine_args.get("request_timelines"):
         engine_args = {**engine_args, "request_timelines": DEFAULT_CAPACITY}
-    config = EngineConfig.from_kwargs(model=str(files.path), **engine_args)
+    config = EngineConfig.from_kwargs(model=str(files.source), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
     try:
         info = await client.start()

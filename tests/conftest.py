@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from engine.model_loader import resolve_model  # noqa: E402
+from engine.model_loader import reference_folder  # noqa: E402
 
 # Prompts of different lengths; the last ones span several 16-token blocks.
 PROMPTS = [
@@ -33,7 +33,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    return str(resolve_model(None).path)
+    return str(reference_folder(None))  # transformers' own conversion of the GGUF file, for the comparisons
 
 
 @pytest.fixture(scope="session")

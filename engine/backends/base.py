@@ -22,6 +22,7 @@ from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.start_up import WARM_UP_PROMPT_LEN, size_cpu_token_budget, warm_up_bursts
 from engine.config import EngineConfig
 from engine.kv_cache import available_memory
+from engine.models.linear import dequantize_weights
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -90,7 +91,9 @@ class TorchBackend:
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
 
     def prepare(self, model: LlamaForCausalLM) -> None:
-        """Once the weights are loaded (in the engine's dtype): pack them for this backend's kernels."""
+        """Once the weights are loaded (in the engine's dtype): pack them for this backend's kernels. Plain torch
+        takes quantized weights (a GGUF file's) dense."""
+        dequantize_weights(model, self.dtype, self.device)
 
     def bind(self, engine: EngineCore) -> None:
         """Once the KV pool and the step budget exist: anything built over them (captured graphs)."""

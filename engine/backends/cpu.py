@@ -26,7 +26,7 @@ from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.base import TorchBackend
 from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, measure_plan
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
-from engine.models.linear import Linear
+from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
 from engine.models.rotary import RotaryEmbedding
 from kernels import cpu as cpu_kernels
@@ -34,6 +34,7 @@ from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
+    from engine.models.quantized import QuantizedWeight
 
 # NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
 # SDPA reuses each K/V row across a tile of queries), so its attention grows with chunk x context. Chunks of up to
@@ -112,13 +113,24 @@ class CpuBackend(TorchBackend):
         vocab, bf16 = model.config.vocab_size, self.dtype == torch.bfloat16
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
         first = model.layers[0]
-        self.plan = measure_plan(
-            [m.weight.detach() for m in (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
-                                         first.mlp.down_proj)],
-            lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype, self.config.gemm_kernels)
+        quantized = first.mlp.gate_up_proj.quantized is not None
+        if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
+            dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
+            quantized = False
+        projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
+            self.plan = measure_plan([m.quantized for m in projections],
+                                     lambda w: partial(PackedLinear(_pack_quantized(w), w.shape[0]), bias=None),
+                                     self.dtype, "c")
+        else:
+            self.plan = measure_plan([m.weight.detach() for m in projections],
+                                     lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
+                                     self.config.gemm_kernels)
         library = self.plan.uses_library
         for module in model.modules():
-            if isinstance(module, Linear) and module is not model.lm_head:
+            if isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
+                module.kernel = PackedLinear(_pack_quantized(module.take_quantized()), module.out_features)
+            elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
                 module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
                                                                                        module.out_features)
@@ -132,17 +144,25 @@ class CpuBackend(TorchBackend):
             model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
             model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
             return
-        head = (cpu_kernels.pack_weight_bf16c if bf16 else pack_head)(model.lm_head.release_weight())
+        if model.lm_head.quantized is not None:
+            head = _pack_quantized(model.lm_head.take_quantized())
+        else:
+            head = (cpu_kernels.pack_weight_bf16c if bf16 else pack_head)(model.lm_head.release_weight())
         model.lm_head.kernel = PackedLinear(head, vocab)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed = model.embed_tokens
-        table = embed.weight.detach()
-        lookup = head if model.tie_word_embeddings else (
-            cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table))
+        if model.tie_word_embeddings:
+            lookup = head
+        elif embed.quantized is not None:
+            lookup = _pack_quantized(embed.quantized)
+        else:
+            table = embed.weight.detach()
+            lookup = cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table)
         if lookup is not None:
-            embed.kernel = PackedEmbedding(lookup, vocab)
-            embed.weight.data = embed.weight.data.new_empty(0, embed.embedding_dim)
+            embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab), None
+            embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
+                                              requires_grad=False)
         if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         self.decoder = _decoder(model)
@@ -172,6 +192,12 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         return f"cpu backend (C kernels, {products} products)"
+
+
+def _pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
+    """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
+    the fp32 panels of their dequantized values."""
+    return cpu_kernels.pack_blocks(weight.kind, weight.values(), weight.d, weight.m)
 
 
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

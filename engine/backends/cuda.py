@@ -89,6 +89,7 @@ class TritonBackend(TorchBackend):
     def prepare(self, model: LlamaForCausalLM) -> None:
         from kernels import fused_ops  # defines kernels: after TRITON_INTERPRET is set
 
+        super().prepare(model)  # quantized weights made dense in the model's dtype
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = fused_ops

@@ -24,8 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.models.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -122,17 +126,18 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 1024 * 2048 * 2048 / seconds_per_call(lambda: a @ b, budget_s=0.03) / 1e9
 
 
-def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor], Callable], dtype: torch.dtype,
-                 family: str = "auto") -> GemmPlan:
+def measure_plan(weights: list[torch.Tensor | QuantizedWeight], c_kernel: Callable[[torch.Tensor], Callable],
+                 dtype: torch.dtype, family: str = "auto") -> GemmPlan:
     """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
     ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes
     the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice (still timed, for the
-    record)."""
+    record). A GGUF file's quantized weights have the C panels only (timed for the record and the machine's
+    peak)."""
     if family == "onednn" and not library_available():
         raise ValueError("gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn)")
     flops = [2 * w.shape[0] * w.shape[1] for w in weights]
     candidates = {"c": [c_kernel(w) for w in weights]}
-    if library_available():
+    if library_available() and all(isinstance(w, torch.Tensor) for w in weights):
         candidates["onednn"] = [partial(OneDnnLinear.pack(w), bias=None) for w in weights]
     rates: dict[str, list[float]] = {name: [] for name in candidates}
     for m in M_BUCKETS:

@@ -2,6 +2,10 @@
 
 A backend that packs weights for its own kernels (``engine/backends``) hands each layer a ``kernel`` and frees the
 weight's original layout, so the model's weights are held once either way; without one, the layer is plain torch.
+
+Their weights start on the meta device: they are always loaded next (``LlamaForCausalLM.load_weights``), either into
+a tensor made then or as a ``QuantizedWeight`` that leaves ``weight`` empty, so no random initialization is spent
+and no dense weight is ever made for a quantized one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quantized import QuantizedWeight
+
 # (x [M, in], bias or None) -> [M, out]: a product over weights a backend packed for its kernels
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 # token ids [T] -> rows [T, hidden]: lookups a backend reads from its packed weights
@@ -19,9 +25,13 @@ EmbeddingKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product a backend can take over (``kernel``)."""
+    """``nn.Linear`` whose product a backend can take over (``kernel``), its weight dense or ``quantized``."""
 
     kernel: LinearKernel | None = None
+    quantized: QuantizedWeight | None = None  # a GGUF file's blocks, until a backend packs or dequantizes them
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -34,13 +44,36 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(weight.new_empty(0, self.in_features), requires_grad=False)
         return weight
 
+    def take_quantized(self) -> QuantizedWeight:
+        """The quantized weight, for a backend to pack; the layer keeps only an empty placeholder."""
+        weight, self.quantized = self.quantized, None
+        self.weight = nn.Parameter(torch.empty(0, self.in_features, dtype=self.weight.dtype), requires_grad=False)
+        return weight
+
 
 class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` whose lookups a backend can take over (``kernel``), e.g. from an LM head's packed panels."""
 
     kernel: EmbeddingKernel | None = None
+    quantized: QuantizedWeight | None = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim, device="meta")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(input_ids)
         return super().forward(input_ids)
+
+
+def dequantize_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Every quantized layer's weight made dense in ``dtype`` on ``device``, for kernels that take dense weights
+    (a GPU's, or bfloat16 products on a CPU): the documented fallback, at the dense weight's memory. A weight two
+    layers share (a tied LM head) stays shared."""
+    dense: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, (Linear, VocabEmbedding)) and module.quantized is not None:
+            key = id(module.quantized)
+            if key not in dense:
+                dense[key] = nn.Parameter(module.quantized.dequantize(dtype).to(device), requires_grad=False)
+            module.weight, module.quantized = dense[key], None

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.linear import Linear, VocabEmbedding
+from engine.models.quantized import QuantizedWeight
 from engine.models.rotary import RotaryEmbedding
 
 # (num_heads, num_kv_heads, head_dim, scale) -> the attention a backend runs over the paged pool
@@ -186,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
                  make_attention: AttentionFactory) -> None:
         super().__init__()
         self.config = config
+        # where and in what dtype the weights are made when loaded (they start on the meta device: linear.py)
+        self.weight_device, self.weight_dtype = torch.get_default_device(), torch.get_default_dtype()
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -212,9 +215,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing.
+        A ``QuantizedWeight`` (a GGUF file's blocks) is kept as its layer's ``quantized``, the shards of a fused
+        layer stacked once all have come."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        pending: dict[str, dict[int, QuantizedWeight]] = {}  # fused layer -> its quantized shards so far
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -225,15 +232,29 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 target, shard = fused
                 name = ".".join([*parts[:-2], target, parts[-1]])
-                param = params[name]
-                offset = self._shard_offset(target, shard)
-                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
                 loaded.add(f"{name}#{shard}")
+                if isinstance(tensor, QuantizedWeight):
+                    shards = pending.setdefault(name, {})
+                    shards[shard] = tensor
+                    if len(shards) == {"qkv_proj": 3, "gate_up_proj": 2}[target]:
+                        modules[name.rpartition(".")[0]].quantized = QuantizedWeight.cat(
+                            [shards[i] for i in sorted(shards)])
+                        del pending[name]
+                    continue
+                offset = self._shard_offset(target, shard)
+                self._materialized(params, name).data[offset : offset + tensor.shape[0]].copy_(tensor)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].data.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                modules[name.rpartition(".")[0]].quantized = tensor
+            else:
+                self._materialized(params, name).data.copy_(tensor)
             loaded.add(name)
+        if pending:
+            raise ValueError(f"checkpoint mixes quantized and dense shards of {sorted(pending)[:3]}")
+        if self.tie_word_embeddings:
+            self.lm_head.quantized = self.embed_tokens.quantized
         expected = set()
         for name in params:
             target = name.split(".")[-2]
@@ -242,6 +263,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+    def _materialized(self, params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        """Parameter ``name`` with storage of its own: made (uninitialized) on its first write if it is still on the
+        meta device, and set wherever it is shared (a tied LM head)."""
+        param = params[name]
+        if not param.is_meta:
+            return param
+        made = nn.Parameter(torch.empty(param.shape, dtype=self.weight_dtype, device=self.weight_device),
+                            requires_grad=False)
+        for module in self.modules():
+            for attr, value in list(module._parameters.items()):
+                if value is param:
+                    setattr(module, attr, made)
+        params[name] = made
+        return made
 
     def _shard_offset(self, target: str, shard: int) -> int:
         attn = self.layers[0].self_attn

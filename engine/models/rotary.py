@@ -24,6 +24,17 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 def inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies and the cos/sin scale. A GGUF file's ``rope_freqs`` (Llama 3.1's long-context
+    factors, in the config as ``rope_freq_factors``: ``model_loader.gguf_metadata_folder``) divide the frequencies,
+    as llama.cpp applies them."""
+    factors = getattr(config, "rope_freq_factors", None)
+    inv_freq, scaling = _inv_freq_and_scaling(config, head_dim)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
+    return inv_freq, scaling
+
+
+def _inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":

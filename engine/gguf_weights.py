@@ -1,0 +1,201 @@
+"""A GGUF file's tensors, read through gguf-py's memory map and decoded straight into ``QuantizedWeight`` blocks.
+
+Why: transformers reads a GGUF file by dequantizing every tensor to fp32, 7 times a Q4_K_M file's bytes, so an 8B
+file cannot load in 24 GB. Here each tensor's blocks are decoded to the row form a backend packs from (about the
+bytes of its panels), one tensor at a time, and its pages of the mapping are handed back to the kernel at once, so
+the file is never resident as a whole beside the weights (it stays in the page cache, not in this process).
+
+Names are mapped to the Hugging Face names ``LlamaForCausalLM.load_weights`` takes, and the q/k rows of the
+``llama`` architecture are put back in Hugging Face's order (llama.cpp's converter interleaves each head's two
+rotary halves; transformers undoes it the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import re
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import Q4_K
+
+from engine.models.quantized import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+Q = GGMLQuantizationType
+DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's long-context factors; the config carries them (model_loader)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for names with no such weight."""
+    match = _LAYER.fullmatch(gguf_name)
+    if match:
+        layer, part, kind = match.groups()
+        name = _LAYER_NAMES.get(part)
+        return None if name is None else f"model.layers.{layer}.{name}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    name = _GLOBAL_NAMES.get(base)
+    return None if name is None else f"{name}.{kind}"
+
+
+def supported_types() -> str:
+    return ", ".join(t.name for t in (*DENSE, *_DECODERS))
+
+
+def _u8(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only view of the mapping; every decoder below makes new tensors from it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 scale at byte ``at`` of each block, as fp32 [n]."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float().squeeze(1)
+
+
+def _nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 [..., 32] as QuantizedWeight's q4 bytes [..., 16]: input j low, input j + 16 high."""
+    return values[..., :16] | (values[..., 16:] << 4)
+
+
+def _bits(blocks: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """Bit i of the little-endian bytes [at, at + count / 8) of each block, as [n, count] uint8."""
+    raw = blocks[:, at:at + count // 8]
+    return ((raw.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(len(blocks), count)
+
+
+def _q4_0(b: torch.Tensor) -> tuple:  # d, 16 bytes: input j low nibble, j + 16 high; w = d (q - 8)
+    d = _f16(b, 0)
+    return "q4", b[:, 2:18].unsqueeze(1), d.unsqueeze(1), (-8 * d).unsqueeze(1)
+
+
+def _q4_1(b: torch.Tensor) -> tuple:  # d, m, 16 bytes of nibbles; w = d q + m
+    return "q4", b[:, 4:20].unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
+
+
+def _q5_0(b: torch.Tensor) -> tuple:  # d, 4 bytes of high bits, 16 bytes of nibbles; w = d (q - 16)
+    low = b[:, 6:22]
+    q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 2, 32) << 4)
+    return "q8", (q.view(torch.int8) - 16).unsqueeze(1), _f16(b, 0).unsqueeze(1), None
+
+
+def _q5_1(b: torch.Tensor) -> tuple:  # d, m, 4 bytes of high bits, 16 bytes of nibbles; w = d q + m
+    low = b[:, 8:24]
+    q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 4, 32) << 4)
+    return "q5", q.unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
+
+
+def _q8_0(b: torch.Tensor) -> tuple:  # d, 32 int8; w = d q
+    return "q8", b[:, 2:34].contiguous().view(torch.int8).unsqueeze(1), _f16(b, 0).unsqueeze(1), None
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K and Q5_K: (d times each 6-bit scale, -dmin times each 6-bit min), [n, 8] each, as gguf-py forms them."""
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16].numpy())
+    d, dmin = _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
+    return d * torch.from_numpy(sc.astype(np.float32)), -(dmin * torch.from_numpy(mn.astype(np.float32)))
+
+
+def _q4_k(b: torch.Tensor) -> tuple:  # d, dmin, 12 bytes of scales, 128 bytes: 32-byte runs, groups 2j (low), 2j+1
+    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+    values = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
+    return "q4", _nibbles(values), *_k_scales(b)
+
+
+def _q5_k(b: torch.Tensor) -> tuple:  # as Q4_K, with 32 bytes of high bits (bit g of byte i: group g, input i)
+    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
+    low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
+    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    return "q5", low | (high << 4), *_k_scales(b)
+
+
+def _q6_k(b: torch.Tensor) -> tuple:  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d; w = d s (q - 32)
+    ql = b[:, :128].reshape(-1, 2, 1, 64)
+    ql = torch.cat([ql & 15, ql >> 4], dim=2).reshape(-1, 8, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    q = (ql | ((qh & 3).reshape(-1, 8, 32) << 4)).view(torch.int8) - 32
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    return "q6", q, _f16(b, 208).unsqueeze(1) * scales, None
+
+
+# GGUF type -> its block decoder: (kind, q [blocks, groups, bytes], d [blocks, scales], m or None)
+_DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
+             Q.Q6_K: _q6_k}
+
+
+def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
+    """A tensor of the file: dense types as a new tensor of their dtype, block types as a ``QuantizedWeight``."""
+    kind = tensor.tensor_type
+    shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest-moving dimension first
+    if kind in DENSE:
+        return _u8(np.asarray(tensor.data)).clone().view(DENSE[kind]).reshape(shape)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ValueError(f"{tensor.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
+    rows, cols = shape
+    blocks = _u8(np.asarray(tensor.data)).reshape(rows * cols // _block_size(kind), -1)
+    name, q, d, m = decoder(blocks)
+    groups = cols // 32
+    q = q.reshape(rows, groups, -1).contiguous()
+    d = d.reshape(rows, -1).contiguous()
+    return QuantizedWeight(name, q, d, None if m is None else m.reshape(rows, groups).contiguous(), kind.name)
+
+
+def _block_size(kind: GGMLQuantizationType) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[kind][0]
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's per-head interleave of q/k rows (as transformers' GGUF loader)."""
+    half = num_rows // num_heads // 2
+    return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int
+                      ) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
+    """(Hugging Face name, weight) for every weight of the file, decoded one at a time."""
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    mapping = getattr(reader.data, "_mmap", None)
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a {arch} model")
+        weight = decode(tensor)
+        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+            order = unpermute_rows(weight.shape[0], heads)
+            weight = weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order]
+        _release(mapping, tensor)
+        yield name, weight
+
+
+def _release(mapping: mmap.mmap | None, tensor: ReaderTensor) -> None:
+    """Drop this process's pages of ``tensor`` (the page cache keeps them): the file is read once and never counted
+    whole in this process's resident memory."""
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = tensor.data_offset + tensor.n_bytes
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError) as e:  # advice only
+        logger.debug("madvise on %s: %s", tensor.name, e)

@@ -1,0 +1,170 @@
+"""A GGUF file read directly (engine/gguf_weights.py): per quant type, our decoding equals gguf-py's dequantization,
+and the products over the packed blocks equal those over fp32 panels of the same values, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from engine.gguf_weights import decode, hf_name, unpermute_rows
+from engine.models.quantized import QuantizedWeight
+from kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
+
+# byte offsets of each type's fp16 scales inside a block (random bytes there could be inf or NaN)
+F16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+          Q.Q6_K: [208]}
+KIND = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q5_0: "q8", Q.Q5_1: "q5", Q.Q8_0: "q8", Q.Q4_K: "q4", Q.Q5_K: "q5",
+        Q.Q6_K: "q6"}
+
+
+def random_blocks(rng: np.random.Generator, kind: Q, rows: int, cols: int) -> np.ndarray:
+    """Every bit random but the fp16 scales, which are finite, of both signs, some of them zero."""
+    block, size = GGML_QUANT_SIZES[kind]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in F16_AT[kind]:
+        scales = (rng.standard_normal(n) * 1e-3).astype(np.float16)
+        scales[::7] = 0
+        raw[:, at:at + 2] = scales.view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(tmp_path_factory):
+    """One tensor of every supported type, and one of an unsupported type, in a GGUF file read back by gguf-py."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("gguf") / "types.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for kind in F16_AT:
+        writer.add_tensor(kind.name, random_blocks(rng, kind, 40, 512), raw_dtype=kind)
+    for dtype in (np.float32, np.float16):
+        writer.add_tensor(np.dtype(dtype).name, rng.standard_normal((3, 64)).astype(dtype))
+    q3 = rng.integers(0, 256, size=(2, GGML_QUANT_SIZES[Q.Q3_K][1]), dtype=np.uint8)
+    q3[:, -2:] = 0  # d
+    writer.add_tensor("blk.0.attn_q.weight", q3, raw_dtype=Q.Q3_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: t for t in GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("kind", list(F16_AT), ids=lambda k: k.name)
+def test_each_type_decodes_to_gguf_pys_values(gguf_tensors, kind):
+    tensor = gguf_tensors[kind.name]
+    ours = decode(tensor)
+    assert isinstance(ours, QuantizedWeight) and ours.kind == KIND[kind] and ours.shape == (40, 512)
+    reference = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, kind)))
+    values = ours.dequantize()
+    same_bits = values.view(torch.int32) == reference.view(torch.int32)
+    if kind == Q.Q4_0:
+        # NOTE: gguf-py computes d (q - 8), a -0.0 where q = 8 and d < 0; the Q4 form's d q - 8 d gives +0.0. No
+        # product can tell them apart (every sum starts from +0.0), and every other value has the same bits.
+        assert torch.equal(values, reference) and bool(((reference == 0) | same_bits).all())
+        assert bool((~same_bits).any())  # such zeros exist in these blocks, so the exception is real
+    else:
+        assert bool(same_bits.all())
+    assert ours.nbytes <= 1.25 * 40 * 512  # the row form holds about the bytes of the panels, never fp32's
+
+
+@pytest.mark.parametrize("name", ["float32", "float16"])
+def test_dense_tensors_keep_their_dtype(gguf_tensors, name):
+    tensor = gguf_tensors[name]
+    ours = decode(tensor)
+    assert ours.dtype == getattr(torch, name) and torch.equal(ours.float(), torch.from_numpy(tensor.data).float())
+
+
+def test_an_unsupported_type_is_refused_naming_the_tensor_and_its_type(gguf_tensors):
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: GGUF type Q3_K is not supported.*Q6_K"):
+        decode(gguf_tensors["blk.0.attn_q.weight"])
+
+
+@pytest.mark.parametrize("kind", list(F16_AT), ids=lambda k: k.name)
+def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(gguf_tensors, kind):
+    weight = decode(gguf_tensors[kind.name])
+    dense = weight.dequantize()
+    packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m)
+    reference = cpu.pack_weight(dense)
+    torch.manual_seed(0)
+    for rows in (1, 3, 4, 7, 33):  # in registers (up to 4 rows) and through unpacked slices (more)
+        x = torch.randn(rows, 512)
+        y = cpu.linear(x, packed, 40)
+        assert torch.equal(y, cpu.linear(x, reference, 40))
+        torch.testing.assert_close(y, x.double().matmul(dense.double().T).float(), rtol=1e-4, atol=1e-5)
+    ids = torch.tensor([0, 39, 17, 17])
+    assert torch.equal(cpu.embed_rows(packed, ids, 40), dense[ids])
+
+
+def test_a_fused_projection_of_mixed_types_keeps_every_rows_values(gguf_tensors):
+    """Q4_K_M gives attn_v Q6_K beside Q4_K q and k in some layers: the fused q/k/v rows go to Q6M panels."""
+    parts = [decode(gguf_tensors[name]) for name in ("Q4_K", "Q6_K", "Q8_0")]
+    fused = QuantizedWeight.cat(parts)
+    assert fused.kind == "q6m" and fused.ggml_type == "Q4_K+Q6_K+Q8_0"
+    dense = fused.dequantize()
+    assert torch.equal(dense, torch.cat([p.dequantize() for p in parts]))
+    packed = cpu.pack_blocks(fused.kind, fused.values(), fused.d, fused.m)
+    assert packed.dtype == torch.float64  # the dtype that names Q6M panels
+    x = torch.randn(5, 512)
+    for rows in (1, 5):
+        assert torch.equal(cpu.linear(x[:rows], packed, 120), cpu.linear(x[:rows], cpu.pack_weight(dense), 120))
+    q4_q5 = QuantizedWeight.cat([decode(gguf_tensors["Q4_K"]), decode(gguf_tensors["Q5_K"])])
+    assert q4_q5.kind == "q5" and torch.equal(q4_q5.dequantize()[:40], parts[0].dequantize())
+
+
+def test_rows_come_back_in_hugging_faces_order():
+    """As transformers' GGUF loader undoes llama.cpp's interleave of each q/k head's rotary halves."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    weights = np.arange(8 * 16 * 3).reshape(8 * 16, 3)
+    expected = LlamaTensorProcessor(config={})._reverse_permute_weights(weights, 8, 8)
+    assert torch.equal(torch.from_numpy(weights)[unpermute_rows(8 * 16, 8)], torch.from_numpy(expected))
+
+
+def test_gguf_names_map_to_hugging_faces():
+    assert hf_name("blk.11.attn_q.weight") == "model.layers.11.self_attn.q_proj.weight"
+    assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+
+
+def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(tmp_path):
+    """A Q4_K_M-mix file (Q4_K, Q6_K output and some attn_v/ffn_down, so a fused q/k/v of mixed types) runs from
+    its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from loadtest.models import Shape, write_model
+
+    shape = Shape("llama", 256, 512, 4, 4, 2, 49160, 10000.0, 2048, tied=False)
+    path = write_model(shape, "q4_k_m", tmp_path / "small.gguf", seed=2)
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
+    model = llm.engine.model
+    assert all(p.dim() == 1 or p.numel() == 0 for p in model.parameters())  # norms only: every weight is packed
+    formats = {name: cpu.blocks.BLOCK_PANEL_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()
+               if getattr(m, "kernel", None) is not None and hasattr(m.kernel, "packed")}
+    # llama.cpp's mix gives layers 2 and 3 of 4 (use_more_bits) a Q6_K attn_v and ffn_down
+    assert formats["layers.2.self_attn.qkv_proj"] == "Q6M" and formats["layers.0.self_attn.qkv_proj"] == "Q4"
+    assert formats["layers.3.mlp.down_proj"] == "Q6" and formats["layers.1.mlp.down_proj"] == "Q4"
+    assert formats["lm_head"] == "Q6" and formats["layers.0.mlp.gate_up_proj"] == "Q4"
+    assert llm.engine.memory_ledger.weights < 1.45 * path.stat().st_size
+
+    prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+        ours = [position[token].logprob for position, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        theirs = [expected[i, token].item() for i, token in enumerate(prompt[1:])]
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
