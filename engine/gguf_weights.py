@@ -80,47 +80,48 @@ def _bits(blocks: torch.Tensor, at: int, count: int) -> torch.Tensor:
 
 def _q4_0(b: torch.Tensor) -> tuple:  # d, 16 bytes: input j low nibble, j + 16 high; w = d (q - 8)
     d = _f16(b, 0)
-    return "q4", b[:, 2:18].unsqueeze(1), d.unsqueeze(1), (-8 * d).unsqueeze(1)
+    return "q4", b[:, 2:18].unsqueeze(1), d.unsqueeze(1), (-8 * d).unsqueeze(1), None
 
 
 def _q4_1(b: torch.Tensor) -> tuple:  # d, m, 16 bytes of nibbles; w = d q + m
-    return "q4", b[:, 4:20].unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
+    return "q4", b[:, 4:20].unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1), None
 
 
 def _q5_0(b: torch.Tensor) -> tuple:  # d, 4 bytes of high bits, 16 bytes of nibbles; w = d (q - 16)
     low = b[:, 6:22]
     q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 2, 32) << 4)
-    return "q8", (q.view(torch.int8) - 16).unsqueeze(1), _f16(b, 0).unsqueeze(1), None
+    return "q8", (q.view(torch.int8) - 16).unsqueeze(1), _f16(b, 0).unsqueeze(1), None, None
 
 
 def _q5_1(b: torch.Tensor) -> tuple:  # d, m, 4 bytes of high bits, 16 bytes of nibbles; w = d q + m
     low = b[:, 8:24]
     q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 4, 32) << 4)
-    return "q5", q.unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
+    return "q5", q.unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1), None
 
 
 def _q8_0(b: torch.Tensor) -> tuple:  # d, 32 int8; w = d q
-    return "q8", b[:, 2:34].contiguous().view(torch.int8).unsqueeze(1), _f16(b, 0).unsqueeze(1), None
+    return "q8", b[:, 2:34].contiguous().view(torch.int8).unsqueeze(1), _f16(b, 0).unsqueeze(1), None, None
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K and Q5_K: (d times each 6-bit scale, -dmin times each 6-bit min), [n, 8] each, as gguf-py forms them."""
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K and Q5_K: d [n], dmin [n] and each 32 inputs' 6-bit scale and min [n, 8, 2] (gguf-py unpacks them)."""
     sc, mn = Q4_K.get_scale_min(b[:, 4:16].numpy())
-    d, dmin = _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1)
-    return d * torch.from_numpy(sc.astype(np.float32)), -(dmin * torch.from_numpy(mn.astype(np.float32)))
+    return _f16(b, 0), _f16(b, 2), torch.from_numpy(np.stack([sc, mn], axis=-1).astype(np.uint8))
 
 
 def _q4_k(b: torch.Tensor) -> tuple:  # d, dmin, 12 bytes of scales, 128 bytes: 32-byte runs, groups 2j (low), 2j+1
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
     values = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
-    return "q4", _nibbles(values), *_k_scales(b)
+    d, dmin, sub = _k_scales(b)
+    return "q4k", _nibbles(values), d, dmin, sub
 
 
 def _q5_k(b: torch.Tensor) -> tuple:  # as Q4_K, with 32 bytes of high bits (bit g of byte i: group g, input i)
     qs = b[:, 48:176].reshape(-1, 4, 1, 32)
     low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
     high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-    return "q5", low | (high << 4), *_k_scales(b)
+    d, dmin, sub = _k_scales(b)
+    return "q5k", low | (high << 4), d, dmin, sub
 
 
 def _q6_k(b: torch.Tensor) -> tuple:  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d; w = d s (q - 32)
@@ -128,11 +129,11 @@ def _q6_k(b: torch.Tensor) -> tuple:  # 128 bytes low nibbles, 64 bytes 2-bit hi
     ql = torch.cat([ql & 15, ql >> 4], dim=2).reshape(-1, 8, 32)
     qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     q = (ql | ((qh & 3).reshape(-1, 8, 32) << 4)).view(torch.int8) - 32
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    return "q6", q, _f16(b, 208).unsqueeze(1) * scales, None
+    return "q6k", q, _f16(b, 208), None, b[:, 192:208].contiguous().view(torch.int8)
 
 
-# GGUF type -> its block decoder: (kind, q [blocks, groups, bytes], d [blocks, scales], m or None)
+# GGUF type -> its block decoder: (kind, q [blocks, groups, bytes], d [blocks, scales], m or None, sub or None), the
+# fields of QuantizedWeight per block
 _DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
              Q.Q6_K: _q6_k}
 
@@ -148,11 +149,10 @@ def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
         raise ValueError(f"{tensor.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
     rows, cols = shape
     blocks = _u8(np.asarray(tensor.data)).reshape(rows * cols // _block_size(kind), -1)
-    name, q, d, m = decoder(blocks)
-    groups = cols // 32
-    q = q.reshape(rows, groups, -1).contiguous()
-    d = d.reshape(rows, -1).contiguous()
-    return QuantizedWeight(name, q, d, None if m is None else m.reshape(rows, groups).contiguous(), kind.name)
+    name, q, d, m, sub = decoder(blocks)
+    rows_of = lambda t, *shape: None if t is None else t.reshape(rows, *shape).contiguous()  # noqa: E731
+    return QuantizedWeight(name, rows_of(q, cols // 32, -1), rows_of(d, -1), rows_of(m, -1), kind.name,
+                           rows_of(sub, *([cols // 32, 2] if sub is not None and sub.dim() == 3 else [-1])))
 
 
 def _block_size(kind: GGMLQuantizationType) -> int:

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler"
 # byte offsets of each type's fp16 scales inside a block (random bytes there could be inf or NaN)
 F16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
           Q.Q6_K: [208]}
-KIND = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q5_0: "q8", Q.Q5_1: "q5", Q.Q8_0: "q8", Q.Q4_K: "q4", Q.Q5_K: "q5",
-        Q.Q6_K: "q6"}
+KIND = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q5_0: "q8", Q.Q5_1: "q5", Q.Q8_0: "q8", Q.Q4_K: "q4k", Q.Q5_K: "q5k",
+        Q.Q6_K: "q6k"}
 
 
 def random_blocks(rng: np.random.Generator, kind: Q, rows: int, cols: int) -> np.ndarray:
@@ -90,7 +90,7 @@ def test_an_unsupported_type_is_refused_naming_the_tensor_and_its_type(gguf_tens
 def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(gguf_tensors, kind):
     weight = decode(gguf_tensors[kind.name])
     dense = weight.dequantize()
-    packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m)
+    packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
     reference = cpu.pack_weight(dense)
     torch.manual_seed(0)
     for rows in (1, 3, 4, 7, 33):  # in registers (up to 4 rows) and through unpacked slices (more)
@@ -151,13 +151,13 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(tmp_pa
     llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
     model = llm.engine.model
     assert all(p.dim() == 1 or p.numel() == 0 for p in model.parameters())  # norms only: every weight is packed
-    formats = {name: cpu.blocks.BLOCK_PANEL_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()
+    formats = {name: cpu.FORMAT_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()
                if getattr(m, "kernel", None) is not None and hasattr(m.kernel, "packed")}
     # llama.cpp's mix gives layers 2 and 3 of 4 (use_more_bits) a Q6_K attn_v and ffn_down
-    assert formats["layers.2.self_attn.qkv_proj"] == "Q6M" and formats["layers.0.self_attn.qkv_proj"] == "Q4"
-    assert formats["layers.3.mlp.down_proj"] == "Q6" and formats["layers.1.mlp.down_proj"] == "Q4"
-    assert formats["lm_head"] == "Q6" and formats["layers.0.mlp.gate_up_proj"] == "Q4"
-    assert llm.engine.memory_ledger.weights < 1.45 * path.stat().st_size
+    assert formats["layers.2.self_attn.qkv_proj"] == "Q6M" and formats["layers.0.self_attn.qkv_proj"] == "Q4K"
+    assert formats["layers.3.mlp.down_proj"] == "Q6K" and formats["layers.1.mlp.down_proj"] == "Q4K"
+    assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == "Q4K"
+    assert llm.engine.memory_ledger.weights < 1.25 * path.stat().st_size
 
     prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))

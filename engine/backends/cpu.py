@@ -197,7 +197,7 @@ class CpuBackend(TorchBackend):
 def _pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
     the fp32 panels of their dequantized values."""
-    return cpu_kernels.pack_blocks(weight.kind, weight.values(), weight.d, weight.m)
+    return cpu_kernels.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
 
 
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 CPU_STEP_TARGET_S = 0.6
 MIN_CPU_TOKEN_BUDGET, MAX_CPU_TOKEN_BUDGET = 128, 1024
 BUDGET_PROBE_TOKENS, BUDGET_PROBES = 256, 5
+# A first look with short steps: where even they show the smallest budget (by twice the margin a short step's
+# lower efficiency could explain), the long probes are skipped. Why: an 8B model's 256-token step takes ~40 s on the
+# 2-core machines, and five of them kept it from serving for over 3 minutes, to find the smallest budget anyway.
+SHORT_PROBE_TOKENS, SHORT_PROBE_MARGIN = 32, 2.0
 WARM_UP_PROMPT_LEN, WARM_UP_EARLY_PROMPTS = 128, 3
 
 
@@ -45,10 +49,15 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
     n = min(BUDGET_PROBE_TOKENS, engine.max_model_len - 1, (engine.kv_cache.num_blocks - 1) * block_size)
     if n < MIN_CPU_TOKEN_BUDGET // 2:
         return  # a toy pool or context: keep the default
-    timings = [engine.serve_made_up_prompts(i, 1, n) for i in range(BUDGET_PROBES)]
-    # The first pays one-off costs (page faults, thread start-up); the fastest of the rest is the machine's speed,
-    # the others caught it busy with something else.
-    per_token = min(timings[1:]) / n
+    # The first step pays one-off costs (page faults, thread start-up); the fastest of the rest is the machine's
+    # speed, the others caught it busy with something else.
+    engine.serve_made_up_prompts(BUDGET_PROBES, 1, SHORT_PROBE_TOKENS)
+    short = engine.serve_made_up_prompts(BUDGET_PROBES + 1, 1, SHORT_PROBE_TOKENS) / SHORT_PROBE_TOKENS
+    if short >= SHORT_PROBE_MARGIN * CPU_STEP_TARGET_S / MIN_CPU_TOKEN_BUDGET:
+        n, per_token = SHORT_PROBE_TOKENS, short
+    else:
+        timings = [engine.serve_made_up_prompts(i, 1, n) for i in range(BUDGET_PROBES)]
+        per_token = min(timings[1:]) / n
     budget = cpu_token_budget(per_token, block_size)
     engine.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens = budget
     logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token)",

@@ -112,13 +112,60 @@ def pack_weight_q4(weight: torch.Tensor, panel_width: int) -> torch.Tensor | Non
 
 def pack_q4(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, panel_width: int) -> torch.Tensor:
     """Q4 panels of ``d q + m``: d, m [N, K/32] fp32, q [N, K/32, 32] uint8 in 0..15 (see ``pack_weight_q4``)."""
-    groups = d.shape[1]
-    panels, vectors = cdiv(d.shape[0], panel_width), panel_width // 8
+    panels = cdiv(d.shape[0], panel_width)
+    return torch.cat([_panel_scales(d, panels, panel_width), _panel_scales(m, panels, panel_width),
+                      _nibble_blocks(q, panels, panel_width)], dim=-1).contiguous()
+
+
+def _nibble_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:
+    """q [N, K/32, 32] (0..15) as the nibbles of Q4 blocks: [panels, K/32, 16 P] bytes."""
+    groups, vectors = q.shape[1], panel_width // 8
     # q [column = 8 v + lane, group, 8 g + 2 b + h] -> [group, g, v, lane, byte b]: nibble h of byte b is k = 2 b + h
     q = _padded(q, panels, panel_width).view(panels, vectors, 8, groups, GROUP // 8, 4, 2).permute(0, 3, 4, 1, 2, 5, 6)
-    nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(panels, groups, -1)
-    return torch.cat([_panel_scales(d, panels, panel_width), _panel_scales(m, panels, panel_width), nibbles],
-                     dim=-1).contiguous()
+    return (q[..., 0] | (q[..., 1] << 4)).reshape(panels, groups, -1)
+
+
+def _byte_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:
+    """q [N, K/32, 32] (int8, or uint8 below 128) in the int8 panel layout: [panels, K/32, 32 P] int8."""
+    groups, vectors = q.shape[1], panel_width // 8
+    # q [column = 8 v + lane, group, 4 g + b] -> [group, g, v, lane, byte b]
+    q = _padded(q.view(torch.int8), panels, panel_width).view(panels, vectors, 8, groups, GROUP // 4, 4)
+    return q.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
+
+
+# The K-quant panel formats (ops.c, Q4K_PANELS): per 256 inputs of a panel, d and dmin (Q6K: d) as floats, the
+# sub-scales as bytes, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K) block's.
+K_QUANT_DTYPES = {"q4k": torch.uint16, "q5k": torch.uint32, "q6k": torch.uint64}
+K_QUANT_NAMES = {torch.uint16: "Q4K", torch.uint32: "Q5K", torch.uint64: "Q6K"}
+SUPER = 256
+
+
+def k_quant_block_bytes(dtype: torch.dtype, panel_width: int) -> int:
+    """Bytes of one K-quant panel's 256 inputs."""
+    header = (4 + 16 if dtype == torch.uint64 else 8 + 16) * panel_width
+    return header + (SUPER // 2 if dtype == torch.uint16 else SUPER) * panel_width
+
+
+def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor | None, sub: torch.Tensor,
+                 panel_width: int) -> torch.Tensor:
+    """K-quant panels: q [N, K/32, 32] values, d (and dmin for q4k, q5k) [N, K/256] fp32, sub the sub-scales
+    (uint8 [N, K/32, 2] scale and min; q6k: int8 [N, K/16]). K % 256 == 0."""
+    n, groups = q.shape[:2]
+    supers, panels = groups * GROUP // SUPER, cdiv(n, panel_width)
+
+    def columns(t: torch.Tensor, per_lane: int = 1) -> torch.Tensor:
+        """[N, supers, c] -> bytes [panels, supers, c / per_lane, P, per_lane]: ``per_lane`` values of a column in
+        each of its lanes (the sub-scales four to a 32-bit lane)."""
+        t = _padded(t.reshape(n, supers, -1), panels, panel_width).view(panels, panel_width, supers, -1, per_lane)
+        return t.permute(0, 2, 3, 1, 4).contiguous().view(torch.int8).reshape(panels, supers, -1)
+
+    if kind == "q6k":
+        header = [columns(d.float()), columns(sub.view(torch.int8), 4)]
+    else:  # the 8 scales, then the 8 mins
+        header = [columns(d.float()), columns(dmin.float()), columns(sub[..., 0], 4), columns(sub[..., 1], 4)]
+    blocks = _nibble_blocks(q, panels, panel_width) if kind == "q4k" else _byte_blocks(q, panels, panel_width)
+    weights = blocks.view(torch.int8).reshape(panels, supers, -1)
+    return torch.cat([*header, weights], dim=-1).contiguous().view(K_QUANT_DTYPES[kind])
 
 
 def pack_weight_q8(weight: torch.Tensor, panel_width: int) -> torch.Tensor | None:
@@ -136,10 +183,6 @@ def pack_bytes(kind: str, scales: list[torch.Tensor], q: torch.Tensor, panel_wid
     dtype = BYTE_BLOCK_DTYPES[kind]
     if len(scales) != BYTE_BLOCK_SCALES[dtype]:
         raise ValueError(f"{kind} panels hold {BYTE_BLOCK_SCALES[dtype]} scale vectors, got {len(scales)}")
-    n, groups = q.shape[:2]
-    panels, vectors = cdiv(n, panel_width), panel_width // 8
-    # q [column = 8 v + lane, group, 4 g + b] -> [group, g, v, lane, byte b]
-    q = _padded(q.view(torch.int8), panels, panel_width).view(panels, vectors, 8, groups, GROUP // 4, 4)
-    q = q.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
+    panels = cdiv(q.shape[0], panel_width)
     vectors_of = [_panel_scales(s.float(), panels, panel_width).view(torch.int8) for s in scales]
-    return torch.cat([*vectors_of, q], dim=-1).contiguous().view(dtype)
+    return torch.cat([*vectors_of, _byte_blocks(q, panels, panel_width)], dim=-1).contiguous().view(dtype)

@@ -136,7 +136,8 @@ static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w <
 /* The formats of packed weights (HP_F32 ... in ops.h); one body of the micro-kernel is compiled for each. */
 enum {
     F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8,
-    Q5_PANELS = HP_Q5, Q6_PANELS = HP_Q6, Q6M_PANELS = HP_Q6M
+    Q5_PANELS = HP_Q5, Q6_PANELS = HP_Q6, Q6M_PANELS = HP_Q6M, Q4K_PANELS = HP_Q4K, Q5K_PANELS = HP_Q5K,
+    Q6K_PANELS = HP_Q6K
 };
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
@@ -167,7 +168,61 @@ static inline int block_bytes(int format) {
     return block_scales(format) * NR * 4 + (format == Q4_PANELS ? Q4_GROUP / 2 : Q8_GROUP) * NR;
 }
 
+/* Q4K, Q5K and Q6K panels keep GGUF's K-quant scales as the file has them, per 256 k of a panel (a super-block):
+ * Q4K and Q5K: d [NR] and dmin [NR] as floats (the file's fp16 values), then the 6-bit scales of the eight 32-k
+ * groups as [2][NR] 32-bit lanes (lane c of word i: column c, byte j: group 4 i + j), the mins likewise, then the
+ * weights of each 32 k as a Q4 block's nibbles (Q4K) or a Q8 block's bytes (Q5K). The kernel forms d sc and
+ * -(dmin min) as gguf-py does (exact products), so the values are Q4's and Q5's: 0.59 and 1.09 bytes a weight instead
+ * of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen 16-k halves as [4][NR] lanes, then bytes:
+ * 1.08 bytes a weight instead of Q6's 1.25. K % 256 == 0.
+ * NOTE: the sub-scales sit four to a 32-bit lane, as int8 panels' weights do, because GCC 12 widens an 8-byte
+ * vector one element at a time (a 65% slower 1-row product when they were [8][NR] bytes). */
+#define KSB 256
+static inline int kquant(int format) { return format == Q4K_PANELS || format == Q5K_PANELS || format == Q6K_PANELS; }
+static inline int ksb_header(int format) { return (format == Q6K_PANELS ? 4 + 16 : 8 + 16) * NR; }
+static inline int ksb_bytes(int format) {
+    return ksb_header(format) + (format == Q4K_PANELS ? KSB / 2 : KSB) * NR;
+}
+
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
+
+/* The 32-k block at k (a multiple of 32) of a panel slice in a block format: its scales for the eight columns of
+ * vector v, d and m for its first 16 k (d0, m0) and its last 16 (d1, m1: the same where a format has one per 32;
+ * m zero where it has none), and where its weights start. */
+static inline __attribute__((always_inline)) const v8iu *block_at(const void *panel, int k, int format, int v,
+                                                                  v8f *d0, v8f *d1, v8f *m0, v8f *m1) {
+    if (kquant(format)) {
+        const char *sb = (const char *)panel + (int64_t)(k / KSB) * ksb_bytes(format);
+        const float *d = (const float *)sb;
+        const int g = k % KSB / Q8_GROUP;
+        const char *lanes = sb + (format == Q6K_PANELS ? 4 : 8) * NR + 32 * v; /* this vector's 8 columns */
+        if (format == Q6K_PANELS) { /* halves 2 g and 2 g + 1: bytes 2 (g % 2) and 2 (g % 2) + 1 of word g / 2 */
+            v8i w = *(const v8iu *)(lanes + g / 2 * NR * 4);
+            *d0 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2));
+            *d1 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2) + 1);
+            *m0 = *m1 = (v8f){0};
+        } else {
+            v8i sc = *(const v8iu *)(lanes + g / 4 * NR * 4), mn = *(const v8iu *)(lanes + (2 + g / 4) * NR * 4);
+            *d0 = *d1 = load8(d + 8 * v) * __builtin_convertvector((sc >> (8 * (g % 4))) & 255, v8f);
+            *m0 = *m1 = -(load8(d + NR + 8 * v) * __builtin_convertvector((mn >> (8 * (g % 4))) & 255, v8f));
+        }
+        return (const v8iu *)(sb + ksb_header(format) + (int64_t)g * (format == Q4K_PANELS ? 16 : 32) * NR);
+    }
+    const float *s = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
+    const int halves = format == Q6_PANELS || format == Q6M_PANELS;
+    const int with_m = format == Q4_PANELS || format == Q5_PANELS || format == Q6M_PANELS;
+    *d0 = load8(s + 8 * v);
+    *d1 = halves ? load8(s + NR + 8 * v) : *d0;
+    *m0 = with_m ? load8(s + (format == Q6M_PANELS ? 2 : 1) * NR + 8 * v) : (v8f){0};
+    *m1 = format == Q6M_PANELS ? load8(s + 3 * NR + 8 * v) : *m0;
+    return (const v8iu *)(s + block_scales(format) * NR);
+}
+
+/* Whether a block format's values are d q + m (else d q), and whether its weights are nibbles (else bytes). */
+static inline int block_with_m(int format) {
+    return format != Q8_PANELS && format != Q6_PANELS && format != Q6K_PANELS;
+}
+static inline int block_nibbles(int format) { return format == Q4_PANELS || format == Q4K_PANELS; }
 
 /* BF16 panels hold weights whose low 16 bits are zero (a bf16 checkpoint loaded as fp32) at half the bytes: the
  * high halves, two consecutive k of one column in each 32-bit lane, the even k in the low half (as int8 panels put
@@ -231,34 +286,26 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                 accumulate(rows, c, x, ldx, k + kk, b);
             }
         }
-    } else { /* Q4, Q8, Q5, Q6 or Q6M panels (constant per call): per 32 inputs, the scale vectors, then the weights */
-        const int q4 = format == Q4_PANELS, q6m = format == Q6M_PANELS, halves = q6m || format == Q6_PANELS;
-        const int with_m = q4 || q6m || format == Q5_PANELS, m_at = q6m ? 2 : 1, per_word = q4 ? 8 : 4;
+    } else { /* block formats (constant per call): per 32 inputs, the scales, then the weights */
+        const int nibbles = block_nibbles(format), with_m = block_with_m(format), per_word = nibbles ? 8 : 4;
         for (int k = 0; k < kc; k += Q4_GROUP) {
-            const float *scales = (const float *)((const char *)panel + (int64_t)(k / Q4_GROUP) * block_bytes(format));
-            const v8iu *words = (const v8iu *)(scales + block_scales(format) * NR);
-            v8f d[NV], m[NV];
+            const v8iu *words = 0;
+            v8f d[NV], m[NV], d1[NV], m1[NV];
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) d[v] = load8(scales + 8 * v);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) m[v] = with_m ? load8(scales + m_at * NR + 8 * v) : (v8f){0};
+            for (int v = 0; v < NV; v++) words = block_at(panel, k, format, v, &d[v], &d1[v], &m[v], &m1[v]);
             for (int g = 0; g < Q4_GROUP / per_word; g++) {
                 v8i w[NV];
-                if (halves && g == Q4_GROUP / per_word / 2) { /* the second 16 k: their own d (and m) */
+                if (g == Q4_GROUP / per_word / 2) /* the second 16 k: their own scales, where a format has such */
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) d[v] = load8(scales + NR + 8 * v);
-                    if (q6m)
-#pragma GCC unroll 4
-                        for (int v = 0; v < NV; v++) m[v] = load8(scales + 3 * NR + 8 * v);
-                }
+                    for (int v = 0; v < NV; v++) d[v] = d1[v], m[v] = m1[v];
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) w[v] = words[g * NV + v];
 #pragma GCC unroll 8
                 for (int kk = 0; kk < per_word; kk++) {
 #pragma GCC unroll 4
                     for (int v = 0; v < NV; v++)
-                        b[v] = q4 ? q4_lane(w[v], kk, d[v], m[v])
-                                  : with_m ? q8_lane(w[v], kk, d[v]) + m[v] : q8_lane(w[v], kk, d[v]);
+                        b[v] = nibbles ? q4_lane(w[v], kk, d[v], m[v])
+                                       : with_m ? q8_lane(w[v], kk, d[v]) + m[v] : q8_lane(w[v], kk, d[v]);
                     accumulate(rows, c, x, ldx, k + per_word * g + kk, b);
                 }
             }
@@ -285,7 +332,7 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-/* A Q4, Q8, Q5, Q6, Q6M or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple
+/* A block or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple
  * of 32; of 2 for BF16). */
 static void unpack(const void *panel, int kc, float *out, int format) {
     if (format == BF16_PANELS) {
@@ -297,37 +344,23 @@ static void unpack(const void *panel, int kc, float *out, int format) {
             }
         return;
     }
-    if (format != Q4_PANELS) { /* byte blocks: Q8, Q5, Q6, Q6M */
-        const int halves = format == Q6_PANELS || format == Q6M_PANELS;
-        const int with_m = format == Q5_PANELS || format == Q6M_PANELS;
-        for (int k = 0; k < kc; k += Q8_GROUP) {
-            const float *scales = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
-            const v8iu *bytes = (const v8iu *)(scales + block_scales(format) * NR);
-            for (int v = 0; v < NV; v++)
-                for (int g = 0; g < Q8_GROUP / 4; g++) {
-                    const int second = halves && g >= Q8_GROUP / 8; /* k 16..31 of a block with scales per 16 */
-                    v8f d = load8(scales + second * NR + 8 * v);
-                    for (int kk = 0; kk < 4; kk++) {
-                        v8f w = q8_lane(bytes[g * NV + v], kk, d);
-                        if (with_m) w += load8(scales + (halves ? 2 + second : 1) * NR + 8 * v);
-                        store8(out + (int64_t)(k + 4 * g + kk) * NR + 8 * v, w);
-                    }
-                }
-        }
-        return;
-    }
-    for (int k = 0; k < kc; k += Q4_GROUP) {
-        const char *block = (const char *)panel + (int64_t)(k / Q4_GROUP) * Q4_BLOCK_BYTES;
-        const v8iu *nibbles = (const v8iu *)(block + 2 * NR * sizeof(float));
+    const int nibbles = block_nibbles(format), with_m = block_with_m(format), per_word = nibbles ? 8 : 4;
+    for (int k = 0; k < kc; k += Q8_GROUP)
         for (int v = 0; v < NV; v++) {
-            v8f d = load8((const float *)block + 8 * v), m = load8((const float *)block + NR + 8 * v);
-            for (int g = 0; g < Q4_GROUP / 8; g++) {
-                v8i w = nibbles[g * NV + v];
+            v8f d0, d1, m0, m1;
+            const v8iu *words = block_at(panel, k, format, v, &d0, &d1, &m0, &m1);
+            for (int g = 0; g < Q8_GROUP / per_word; g++) {
+                const int second = g >= Q8_GROUP / per_word / 2; /* k 16..31: their own scales, where such */
+                v8f d = second ? d1 : d0, m = second ? m1 : m0;
+                v8i w = words[g * NV + v];
 #pragma GCC unroll 8
-                for (int kk = 0; kk < 8; kk++) store8(out + (int64_t)(k + 8 * g + kk) * NR + 8 * v, q4_lane(w, kk, d, m));
+                for (int kk = 0; kk < per_word; kk++) {
+                    v8f value = nibbles ? q4_lane(w, kk, d, m) : q8_lane(w, kk, d);
+                    if (!nibbles && with_m) value += m;
+                    store8(out + (int64_t)(k + per_word * g + kk) * NR + 8 * v, value);
+                }
             }
         }
-    }
 }
 
 /* Bytes of k rows of a packed panel (k % 4 == 0 for int8 panels, k % 2 == 0 for BF16, k % 32 == 0 for the blocks). */
@@ -335,6 +368,7 @@ static inline int64_t panel_bytes(int64_t k, int format) {
     if (format == F32_PANELS) return k * NR * (int64_t)sizeof(float);
     if (format == BF16_PANELS) return k * NR * 2;
     if (format == I8_PANELS) return k * NR;
+    if (kquant(format)) return k / KSB * ksb_bytes(format);
     return k / Q4_GROUP * block_bytes(format);
 }
 
@@ -613,6 +647,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
  *   Q5 and Q6 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 bytes a weight; Q6M 1.5;
+ *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.59, 1.09 and 1.08;
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
@@ -628,6 +663,12 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, Q6_PANELS)
     } else if (format == HP_Q6M) {
         LINEAR_LOOP(bias, 0, Q6M_PANELS)
+    } else if (format == HP_Q4K) {
+        LINEAR_LOOP(bias, 0, Q4K_PANELS)
+    } else if (format == HP_Q5K) {
+        LINEAR_LOOP(bias, 0, Q5K_PANELS)
+    } else if (format == HP_Q6K) {
+        LINEAR_LOOP(bias, 0, Q6K_PANELS)
     } else if (format == HP_BF16) {
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
