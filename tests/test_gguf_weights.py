@@ -102,6 +102,17 @@ def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(ggu
     assert torch.equal(cpu.embed_rows(packed, ids, 40), dense[ids])
 
 
+def test_a_weight_packed_a_chunk_of_panels_at_a_time_gives_the_same_panels(gguf_tensors, monkeypatch):
+    import engine.backends.cpu as cpu_backend
+
+    for kind in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
+        weight = decode(gguf_tensors[kind.name])
+        whole = cpu_backend._pack_quantized(weight)
+        monkeypatch.setattr(cpu_backend, "PACK_CHUNK_PANELS", 1)  # 40 rows: panels of 24 and 16 (padded) rows
+        assert torch.equal(cpu_backend._pack_quantized(weight), whole)
+        monkeypatch.undo()
+
+
 def test_a_fused_projection_of_mixed_types_keeps_every_rows_values(gguf_tensors):
     """Q4_K_M gives attn_v Q6_K beside Q4_K q and k in some layers: the fused q/k/v rows go to Q6M panels."""
     parts = [decode(gguf_tensors[name]) for name in ("Q4_K", "Q6_K", "Q8_0")]

@@ -29,6 +29,7 @@ from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
 from engine.models.rotary import RotaryEmbedding
+from kernels import cdiv
 from kernels import cpu as cpu_kernels
 from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 # 64 tokens, as decode steps carry them, and chunks of any length within the first 1024 positions are faster in
 # the one call (docs/history/benchmarks-2026-11.md); deeper long chunks keep the modules.
 DECODER_MAX_QUERY_LEN = 64
+PACK_CHUNK_PANELS = 512
 DECODER_MAX_PREFILL_CONTEXT = 1024
 
 
@@ -196,8 +198,18 @@ class CpuBackend(TorchBackend):
 
 def _pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
     """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
-    the fp32 panels of their dequantized values."""
-    return cpu_kernels.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
+    the fp32 panels of their dequantized values. Packed PACK_CHUNK_PANELS panels at a time into the result: the
+    copies packing makes stay ~100 MB even for an 8B model's LM head (a whole 525M-weight head at once had raised
+    the load's peak by ~2 GB)."""
+    width, rows = cpu_kernels.panel_width(), weight.shape[0]
+    out = None
+    for start in range(0, rows, PACK_CHUNK_PANELS * width):
+        part = weight.rows(slice(start, start + PACK_CHUNK_PANELS * width))
+        packed = cpu_kernels.pack_blocks(part.kind, part.values(), part.d, part.m, part.sub)
+        if out is None:
+            out = packed.new_empty(cdiv(rows, width), *packed.shape[1:])
+        out[start // width:start // width + packed.shape[0]] = packed
+    return out
 
 
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

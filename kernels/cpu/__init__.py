@@ -128,6 +128,11 @@ def _check_tokens(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the heads of a token must be contiguous, got strides {t.stride()}")
 
 
+def panel_width() -> int:
+    """Output columns per panel (NR in ops.c)."""
+    return _library().hp_panel_width()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [N, K] in the panel layout ``linear`` reads: [ceil(N / P), K, P], zero-padded."""
     _check(weight, torch.float32, "weight")
