@@ -50,13 +50,17 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float
 
 
 async def send(http: aiohttp.ClientSession, url: str, body: dict, bench_start: float,
-               timeout: float) -> RequestRecord:
-    """POST ``body`` and read its SSE stream; never raises: failures come back as records with ``error``."""
+               timeout: float, prompt_len: int | None = None) -> RequestRecord:
+    """POST ``body`` and read its SSE stream; never raises: failures come back as records with ``error``. A server
+    whose stream carries no ``usage`` (llama-cpp-python's ignores ``stream_options``) is counted as sending a token
+    per chunk before the one that finishes, and ``prompt_len`` prompt tokens (our tokenizer's count); without
+    ``prompt_len`` such a stream is a failure."""
     send_time = time.perf_counter()
     start = send_time - bench_start
     chunk_times: list[float] = []
     text: list[str] = []
     usage: dict = {}
+    token_chunks = 0
     try:
         async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status != 200:
@@ -72,8 +76,11 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, bench_start: f
                     chunk_times.append(now)
                     choice = event["choices"][0]
                     text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                    token_chunks += choice.get("finish_reason") is None
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         return RequestRecord(start=start, error=f"{type(e).__name__}: {e}")
+    if not usage and prompt_len is not None:
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": token_chunks}
     if not usage:
         return RequestRecord(start=start, error="the stream carried no usage (stream_options.include_usage)")
     return record_from_timeline(start, send_time, chunk_times, usage.get("prompt_tokens", 0),

@@ -57,16 +57,21 @@ class BenchConfig:
 
 
 async def wait_healthy(http: aiohttp.ClientSession, base_url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    """Until ``/health`` answers 200, or, on a server without that route (llama-cpp-python's answers 404),
+    ``/v1/models`` does."""
+    deadline, path = time.monotonic() + timeout, "/health"
     while True:
         try:
-            async with http.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
+            async with http.get(base_url + path, timeout=aiohttp.ClientTimeout(total=5)) as response:
                 if response.status == 200:
                     return
+                if response.status == 404 and path == "/health":
+                    path = "/v1/models"
+                    continue
         except (aiohttp.ClientError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+            raise TimeoutError(f"{base_url}{path} did not answer 200 within {timeout:.0f} s")
         await asyncio.sleep(0.5)
 
 
@@ -105,7 +110,7 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
         async def one(request: BenchRequest):
             async with semaphore:
                 body = request_body(cfg.endpoint, model, request, cfg.ignore_eos, cfg.temperature)
-                record = await send(http, url, body, bench_start, cfg.request_timeout)
+                record = await send(http, url, body, bench_start, cfg.request_timeout, request.prompt_len)
             bar.update(1)
             return record
 

@@ -4,17 +4,22 @@ once. Then a short c1 run for the token rate.
 
     python -m loadtest.lab.load_cost --model ~/.cache/harpoon/random-models/llama-3.2-1b-q4_k_m-seed0.gguf
 
-The figures set the targets of a GGUF loader (peak RSS against the file's size, load time against one read).
+The figures set the targets of a GGUF loader (peak RSS against the file's size, load time against one read), and
+the c1 decode's rate of reading the weights (the engine's ledger of packed weights over the time per token) against
+the machine's measured read bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 import time
 from pathlib import Path
+
+import torch
 
 from loadtest.processes import start, stop, wait_healthy
 from loadtest.serve import BenchConfig, benchmark_point, load_tokenizer
@@ -53,6 +58,19 @@ def read_seconds(path: Path) -> float:
     return time.perf_counter() - started
 
 
+def read_bandwidth() -> float:
+    """Bytes/s of a streaming read on this CPU: torch's sum over 2 GiB, the best of 5 (the ceiling a c1 decode, which
+    reads every weight once a token, can approach)."""
+    x = torch.ones(1 << 29)
+    x.sum()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - started)
+    return x.numel() * 4 / min(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder")
@@ -62,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     path = Path(args.model).expanduser()
     size = sum(f.stat().st_size for f in model_files(path))
-    read_s = read_seconds(path)
+    read_s, bandwidth = read_seconds(path), read_bandwidth()
     log = Path(f"/tmp/load_cost_{args.port}.log")
     started = time.perf_counter()
     server = start([sys.executable, "-m", "server", "--port", str(args.port), "--model", str(path),
@@ -90,8 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"file {size / gib:.2f} GiB, read once in {read_s:.1f} s")
     print(f"healthy after {load_s:.1f} s ({load_s / max(read_s, 1e-3):.0f}x one read); peak RSS while loading "
           f"{load_peak / gib:.2f} GiB ({load_peak / size:.1f}x the file), while serving {peak[0] / gib:.2f} GiB")
-    print(f"c1, 128 in / 128 out: TPOT p50 {summary['tpot_ms']['median']:.1f} ms, TTFT p50 "
+    tpot = summary["tpot_ms"]["median"] / 1000
+    print(f"c1, 128 in / 128 out: TPOT p50 {tpot * 1000:.1f} ms, TTFT p50 "
           f"{summary['ttft_ms']['median']:.0f} ms, {summary['output_throughput']:.1f} tok/s")
+    weights = re.search(r"weights\s+([\d.]+) MiB", log.read_text())
+    if weights:
+        rate = float(weights.group(1)) * 2**20 / tpot
+        print(f"weights {float(weights.group(1)):.0f} MiB packed ({float(weights.group(1)) * 2**20 / size:.2f}x the "
+              f"file), read at {rate / 1e9:.1f} GB/s a token: {rate / bandwidth:.0%} of the measured "
+              f"{bandwidth / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
