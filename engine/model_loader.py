@@ -137,10 +137,8 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
 
     from engine.gguf_weights import ROPE_FREQS
 
-    directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    set_gguf_special_tokens(tokenizer, gguf_path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    tokenizer = _gguf_tokenizer(gguf_path)
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
     values = config.to_dict()
     values.pop("quantization_config", None)
@@ -167,10 +165,9 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    set_gguf_special_tokens(tokenizer, gguf_path)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = _gguf_tokenizer(gguf_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32)
 
     def write(tmp: Path) -> None:
         tokenizer.save_pretrained(tmp)
@@ -185,6 +182,13 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"))
 
     return _write_folder(folder, write)
+
+
+def _gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    """transformers' conversion of the file's tokenizer, with the file's own special tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    set_gguf_special_tokens(tokenizer, gguf_path)
+    return tokenizer
 
 
 def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path) -> None:
