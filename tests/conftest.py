@@ -44,6 +44,16 @@ def hf_smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def small_q4_k_m(tmp_path_factory) -> Path:
+    """A random-weight Llama of 8 small layers written as Q4_K_M (loadtest/models.py), shared by the tests that
+    serve one: its writing and its config and tokenizer's conversion take ~15 s."""
+    from loadtest.models import Shape, write_model
+
+    shape = Shape("llama", 256, 512, 8, 4, 2, 49160, 10000.0, 2048, tied=False)  # vocab: the tokenizer's, padded
+    return write_model(shape, "q4_k_m", tmp_path_factory.mktemp("gguf") / "small-q4_k_m.gguf", seed=1)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 

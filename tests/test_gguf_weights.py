@@ -148,31 +148,29 @@ def test_gguf_names_map_to_hugging_faces():
     assert hf_name("blk.0.ffn_gate_exps.weight") is None
 
 
-def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(tmp_path):
+def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_q4_k_m):
     """A Q4_K_M-mix file (Q4_K, Q6_K output and some attn_v/ffn_down, so a fused q/k/v of mixed types) runs from
     its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it)."""
     from transformers import AutoModelForCausalLM
 
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    from loadtest.models import Shape, write_model
 
-    shape = Shape("llama", 256, 512, 4, 4, 2, 49160, 10000.0, 2048, tied=False)
-    path = write_model(shape, "q4_k_m", tmp_path / "small.gguf", seed=2)
+    path = small_q4_k_m
     llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
     model = llm.engine.model
     assert all(p.dim() == 1 or p.numel() == 0 for p in model.parameters())  # norms only: every weight is packed
     formats = {name: cpu.FORMAT_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()
                if getattr(m, "kernel", None) is not None and hasattr(m.kernel, "packed")}
-    # llama.cpp's mix gives layers 2 and 3 of 4 (use_more_bits) a Q6_K attn_v and ffn_down
-    assert formats["layers.2.self_attn.qkv_proj"] == "Q6M" and formats["layers.0.self_attn.qkv_proj"] == "Q4K"
-    assert formats["layers.3.mlp.down_proj"] == "Q6K" and formats["layers.1.mlp.down_proj"] == "Q4K"
+    # llama.cpp's mix gives layers 0, 3, 6 and 7 of 8 (use_more_bits) a Q6_K attn_v and ffn_down
+    assert formats["layers.3.self_attn.qkv_proj"] == "Q6M" and formats["layers.1.self_attn.qkv_proj"] == "Q4K"
+    assert formats["layers.0.mlp.down_proj"] == "Q6K" and formats["layers.1.mlp.down_proj"] == "Q4K"
     assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == "Q4K"
     assert llm.engine.memory_ledger.weights < 1.25 * path.stat().st_size
 
     prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
