@@ -24,7 +24,7 @@ KINDS = {
     "q4": "d q + m, q in 0..15 (nibbles), d and m per 32 inputs: Q4_0, Q4_1",
     "q8": "d q, q in -128..127, d per 32 inputs: Q8_0, Q5_0",
     "q5": "d q + m, q in 0..31, d and m per 32 inputs: Q5_1",
-    "q6": "d q, q in -32..31, d per 16 inputs",
+    "q6": "d q, q in -32..31, d per 16 inputs: a Q6_K's values with its scales formed (dequantized or widened)",
     "q6m": "d q + m, q a byte, d and m per 16 inputs: any kind, for a fused projection that mixes them",
     "q4k": "(d sc) q - (dmin mn), q in 0..15 (nibbles), d and dmin per 256 inputs, sc and mn per 32: Q4_K",
     "q5k": "as q4k with q in 0..31: Q5_K",

@@ -145,11 +145,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 # enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
-# panels (int16: the BF16 layout, computed in bfloat16), and the byte blocks Q5, Q6 and Q6M (blocks.BYTE_BLOCK_DTYPES:
-# their bytes viewed as int32, int64 and float64, dtypes that only name the format here), and the K-quant panels Q4K,
-# Q5K and Q6K (blocks.K_QUANT_DTYPES: uint16, uint32, uint64)
+# panels (int16: the BF16 layout, computed in bfloat16), the byte blocks Q5 and Q6M, and the K-quant panels Q4K, Q5K
+# and Q6K. The last five are bytes viewed as int32, float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES,
+# blocks.K_QUANT_DTYPES), dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
-                  torch.int64: 7, torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11}
+                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", **blocks.BLOCK_PANEL_NAMES,
                 **blocks.K_QUANT_NAMES}
 # enum hp_kv_format (ops.h) of each K/V pool dtype
@@ -180,16 +180,16 @@ def pack_blocks(kind: str, values: torch.Tensor, d: torch.Tensor, m: torch.Tenso
                 sub: torch.Tensor | None = None) -> torch.Tensor:
     """Panels of a weight given as blocks (``engine/models/quantized.py``'s kinds): ``values`` [N, K/32, 32], d
     [N, K/32] (q6, q6m: [N, K/16], a d per 16 inputs; K-quants: [N, K/256]), m like d or None, ``sub`` a K-quant's
-    sub-scales. ``linear`` computes from them the bits it computes from the fp32 panels of the dequantized weight."""
-    width = _library().hp_panel_width()
+    sub-scales. ``linear`` computes from them the bits it computes from the fp32 panels of the dequantized weight.
+    (The q6 kind, a K-quant's values per 16 inputs, is packed as its K-quant or widened to q6m.)"""
+    width = panel_width()
     if kind in blocks.K_QUANT_DTYPES:
         return blocks.pack_k_quant(kind, values, d, m, sub, width)
     if kind == "q4":
         return blocks.pack_q4(d, m, values, width)
-    halves = [d[:, 0::2], d[:, 1::2]] if kind in ("q6", "q6m") else [d]
-    if m is not None:
-        halves += [m[:, 0::2], m[:, 1::2]] if kind == "q6m" else [m]
-    return blocks.pack_bytes(kind, halves, values, width)
+    if kind == "q6m":
+        return blocks.pack_bytes(kind, [d[:, 0::2], d[:, 1::2], m[:, 0::2], m[:, 1::2]], values, width)
+    return blocks.pack_bytes(kind, [d] if m is None else [d, m], values, width)
 
 
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
@@ -243,7 +243,7 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
     if packed.dtype not in WEIGHT_FORMATS or packed.dim() != 3:
         raise ValueError(f"expected packed panels of {sorted(map(str, WEIGHT_FORMATS))}, got {packed.dtype} "
                          f"{tuple(packed.shape)}")
-    width = _library().hp_panel_width()
+    width = panel_width()
     if packed.dtype in blocks.K_QUANT_NAMES:
         expected = blocks.k_quant_block_bytes(packed.dtype, width)
         if packed.shape[2] * packed.element_size() != expected:

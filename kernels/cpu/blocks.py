@@ -12,7 +12,8 @@ this way only when every one of its values is reproduced exactly; others take BF
 dequantized: Q4_0 and Q4_K in Q4 panels (Q4_K's d and m have up to 17 significant bits, not 11: still exact), Q5_0
 in Q8 panels; Q5_1, Q5_K and Q6_K are not (a 5-bit q with an m, or a scale per 16 inputs) and keep fp32 panels
 when found in fp32 weights. A GGUF file read directly (``engine/gguf_weights.py``) hands its blocks over as they are
-(``pack_q4``, ``pack_bytes``), and those three go to Q5 and Q6 panels (and a fused projection mixing types to Q6M).
+(``pack_q4``, ``pack_bytes``, ``pack_k_quant``): the K-quants to Q4K, Q5K and Q6K panels that keep the file's
+scales, Q5_1 to Q5 panels, and a fused projection mixing types to Q6M.
 
 NOTE: ``HARPOON_CPU_Q4=0`` / ``HARPOON_CPU_Q8=0`` keep such weights in fp32 panels (for A/B measurements).
 """
@@ -42,16 +43,16 @@ def q4_block_bytes(panel_width: int) -> int:
 
 
 def q8_block_bytes(panel_width: int, scales: int = 1) -> int:
-    """Bytes of one Q8 panel's 32 inputs: d for each column as a float, then a byte per weight. Q5, Q6 (2) and Q6M
-    (4) panels hold more ``scales`` vectors before the bytes."""
+    """Bytes of one Q8 panel's 32 inputs: d for each column as a float, then a byte per weight. Q5 (2) and Q6M (4)
+    panels hold more ``scales`` vectors before the bytes."""
     return scales * panel_width * 4 + GROUP * panel_width
 
 
 # The panel formats of byte blocks (ops.c): the packed tensor's dtype names its format (kernels.cpu.WEIGHT_FORMATS),
-# and its scale vectors per 32 inputs, in order: Q8 d; Q5 d, m; Q6 d (k 0..15), d (k 16..31); Q6M d, d, m, m.
-BYTE_BLOCK_DTYPES = {"q8": torch.int8, "q5": torch.int32, "q6": torch.int64, "q6m": torch.float64}
-BYTE_BLOCK_SCALES = {torch.int8: 1, torch.int32: 2, torch.int64: 2, torch.float64: 4}
-BLOCK_PANEL_NAMES = {torch.uint8: "Q4", torch.int8: "Q8", torch.int32: "Q5", torch.int64: "Q6", torch.float64: "Q6M"}
+# and its scale vectors per 32 inputs, in order: Q8 d; Q5 d, m; Q6M d (k 0..15), d (k 16..31), m, m.
+BYTE_BLOCK_DTYPES = {"q8": torch.int8, "q5": torch.int32, "q6m": torch.float64}
+BYTE_BLOCK_SCALES = {torch.int8: 1, torch.int32: 2, torch.float64: 4}
+BLOCK_PANEL_NAMES = {torch.uint8: "Q4", torch.int8: "Q8", torch.int32: "Q5", torch.float64: "Q6M"}
 
 
 Blocks = tuple[torch.Tensor, ...]
@@ -134,7 +135,8 @@ def _byte_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor
 
 
 # The K-quant panel formats (ops.c, Q4K_PANELS): per 256 inputs of a panel, d and dmin (Q6K: d) as floats, the
-# sub-scales as bytes, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K) block's.
+# sub-scales four to a 32-bit lane of a column, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K)
+# block's.
 K_QUANT_DTYPES = {"q4k": torch.uint16, "q5k": torch.uint32, "q6k": torch.uint64}
 K_QUANT_NAMES = {torch.uint16: "Q4K", torch.uint32: "Q5K", torch.uint64: "Q6K"}
 SUPER = 256

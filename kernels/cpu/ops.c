@@ -136,8 +136,7 @@ static inline v8f int8_lane(v8i w, int kk) { return __builtin_convertvector((w <
 /* The formats of packed weights (HP_F32 ... in ops.h); one body of the micro-kernel is compiled for each. */
 enum {
     F32_PANELS = HP_F32, I8_PANELS = HP_I8, Q4_PANELS = HP_Q4, BF16_PANELS = HP_BF16, Q8_PANELS = HP_Q8,
-    Q5_PANELS = HP_Q5, Q6_PANELS = HP_Q6, Q6M_PANELS = HP_Q6M, Q4K_PANELS = HP_Q4K, Q5K_PANELS = HP_Q5K,
-    Q6K_PANELS = HP_Q6K
+    Q5_PANELS = HP_Q5, Q6M_PANELS = HP_Q6M, Q4K_PANELS = HP_Q4K, Q5K_PANELS = HP_Q5K, Q6K_PANELS = HP_Q6K
 };
 
 /* Q4 panels hold weights that are exactly d q + m with q in 0..15 and d, m per 32 consecutive k of a column (GGUF's
@@ -155,15 +154,16 @@ enum {
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_GROUP * NR)
 _Static_assert(Q4_GROUP == Q8_GROUP, "micro_kernel walks the blocks of both formats in one loop");
 
-/* Q5, Q6 and Q6M panels are Q8 panels with more vectors of NR floats before the bytes of each 32 k. Q5: d, m; d q + m
- * with q in 0..31 and d, m per 32 k (GGUF's Q5_K and Q5_1; d q exact, one rounding in the add, as Q4). Q6: d for k
- * 0..15, d for k 16..31; d q with q in -32..31 (GGUF's Q6_K, whose d times its int8 sub-scale has at most 18
- * significant bits, so d q is exact). 1.25 bytes a weight. Q6M: d, d, m, m, each per 16 k; d q + m: any of the
- * above, for a fused projection whose rows come in different types (1.5 bytes a weight). */
+/* Q5 and Q6M panels are Q8 panels with more vectors of NR floats before the bytes of each 32 k. Q5: d, m; d q + m
+ * with q in 0..31 and d, m per 32 k (GGUF's Q5_1, or Q4_K beside Q5_K rows in a fused projection; d q exact, one
+ * rounding in the add, as Q4), 1.25 bytes a weight. Q6M: d for k 0..15, d for k 16..31, then m likewise; d q + m
+ * with q a byte: any block type, for a fused projection whose rows come in types no narrower format holds together
+ * (Q4_K beside Q6_K, whose d times its int8 sub-scale has at most 18 significant bits, so d q is exact), 1.5 bytes
+ * a weight. */
 static inline int block_scales(int format) {
     return format == Q8_PANELS ? 1 : format == Q6M_PANELS ? 4 : 2;
 }
-/* Bytes of one 32-k block of a Q4, Q8, Q5, Q6 or Q6M panel. */
+/* Bytes of one 32-k block of a Q4, Q8, Q5 or Q6M panel. */
 static inline int block_bytes(int format) {
     return block_scales(format) * NR * 4 + (format == Q4_PANELS ? Q4_GROUP / 2 : Q8_GROUP) * NR;
 }
@@ -174,7 +174,7 @@ static inline int block_bytes(int format) {
  * weights of each 32 k as a Q4 block's nibbles (Q4K) or a Q8 block's bytes (Q5K). The kernel forms d sc and
  * -(dmin min) as gguf-py does (exact products), so the values are Q4's and Q5's: 0.59 and 1.09 bytes a weight instead
  * of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen 16-k halves as [4][NR] lanes, then bytes:
- * 1.08 bytes a weight instead of Q6's 1.25. K % 256 == 0.
+ * 1.08 bytes a weight. K % 256 == 0.
  * NOTE: the sub-scales sit four to a 32-bit lane, as int8 panels' weights do, because GCC 12 widens an 8-byte
  * vector one element at a time (a 65% slower 1-row product when they were [8][NR] bytes). */
 #define KSB 256
@@ -209,18 +209,17 @@ static inline __attribute__((always_inline)) const v8iu *block_at(const void *pa
         return (const v8iu *)(sb + ksb_header(format) + (int64_t)g * (format == Q4K_PANELS ? 16 : 32) * NR);
     }
     const float *s = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
-    const int halves = format == Q6_PANELS || format == Q6M_PANELS;
-    const int with_m = format == Q4_PANELS || format == Q5_PANELS || format == Q6M_PANELS;
+    const int halves = format == Q6M_PANELS, with_m = format != Q8_PANELS;
     *d0 = load8(s + 8 * v);
     *d1 = halves ? load8(s + NR + 8 * v) : *d0;
-    *m0 = with_m ? load8(s + (format == Q6M_PANELS ? 2 : 1) * NR + 8 * v) : (v8f){0};
-    *m1 = format == Q6M_PANELS ? load8(s + 3 * NR + 8 * v) : *m0;
+    *m0 = with_m ? load8(s + (halves ? 2 : 1) * NR + 8 * v) : (v8f){0};
+    *m1 = halves ? load8(s + 3 * NR + 8 * v) : *m0;
     return (const v8iu *)(s + block_scales(format) * NR);
 }
 
 /* Whether a block format's values are d q + m (else d q), and whether its weights are nibbles (else bytes). */
 static inline int block_with_m(int format) {
-    return format != Q8_PANELS && format != Q6_PANELS && format != Q6K_PANELS;
+    return format != Q8_PANELS && format != Q6K_PANELS;
 }
 static inline int block_nibbles(int format) { return format == Q4_PANELS || format == Q4K_PANELS; }
 
@@ -646,7 +645,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
 /* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
- *   Q5 and Q6 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 bytes a weight; Q6M 1.5;
+ *   Q5 and Q6M panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 and 1.5 bytes a weight;
  *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.59, 1.09 and 1.08;
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
@@ -659,8 +658,6 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, Q8_PANELS)
     } else if (format == HP_Q5) {
         LINEAR_LOOP(bias, 0, Q5_PANELS)
-    } else if (format == HP_Q6) {
-        LINEAR_LOOP(bias, 0, Q6_PANELS)
     } else if (format == HP_Q6M) {
         LINEAR_LOOP(bias, 0, Q6M_PANELS)
     } else if (format == HP_Q4K) {

@@ -14,12 +14,12 @@ static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* Formats of packed linear weights: fp32 panels (hp_pack_weight), int8 panels with per-column scales (approximate,
- * for the screened LM head), Q4, Q8, Q5, Q6, Q6M, Q4K, Q5K, Q6K and BF16 panels (the same fp32 values in fewer bytes;
+ * for the screened LM head), Q4, Q8, Q5, Q6M, Q4K, Q5K, Q6K and BF16 panels (the same fp32 values in fewer bytes;
  * kernels/cpu/blocks.py), and BF16C panels (the BF16 layout, computed in bfloat16: the activations rounded to
  * bfloat16 too, the products summed in fp32 as avx512_bf16's dot product sums them; a bfloat16 model's weights). */
 enum hp_weight_format {
-    HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6 = 7, HP_Q6M = 8,
-    HP_Q4K = 9, HP_Q5K = 10, HP_Q6K = 11
+    HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6M = 8, HP_Q4K = 9,
+    HP_Q5K = 10, HP_Q6K = 11
 };
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
