@@ -80,27 +80,27 @@ def _bits(blocks: torch.Tensor, at: int, count: int) -> torch.Tensor:
 
 def _q4_0(b: torch.Tensor) -> tuple:  # d, 16 bytes: input j low nibble, j + 16 high; w = d (q - 8)
     d = _f16(b, 0)
-    return "q4", b[:, 2:18].unsqueeze(1), d.unsqueeze(1), (-8 * d).unsqueeze(1), None
+    return "q4", b[:, 2:18].unsqueeze(1), d, -8 * d, None
 
 
 def _q4_1(b: torch.Tensor) -> tuple:  # d, m, 16 bytes of nibbles; w = d q + m
-    return "q4", b[:, 4:20].unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1), None
+    return "q4", b[:, 4:20].unsqueeze(1), _f16(b, 0), _f16(b, 2), None
 
 
 def _q5_0(b: torch.Tensor) -> tuple:  # d, 4 bytes of high bits, 16 bytes of nibbles; w = d (q - 16)
     low = b[:, 6:22]
     q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 2, 32) << 4)
-    return "q8", (q.view(torch.int8) - 16).unsqueeze(1), _f16(b, 0).unsqueeze(1), None, None
+    return "q8", (q.view(torch.int8) - 16).unsqueeze(1), _f16(b, 0), None, None
 
 
 def _q5_1(b: torch.Tensor) -> tuple:  # d, m, 4 bytes of high bits, 16 bytes of nibbles; w = d q + m
     low = b[:, 8:24]
     q = torch.cat([low & 15, low >> 4], dim=1) | (_bits(b, 4, 32) << 4)
-    return "q5", q.unsqueeze(1), _f16(b, 0).unsqueeze(1), _f16(b, 2).unsqueeze(1), None
+    return "q5", q.unsqueeze(1), _f16(b, 0), _f16(b, 2), None
 
 
 def _q8_0(b: torch.Tensor) -> tuple:  # d, 32 int8; w = d q
-    return "q8", b[:, 2:34].contiguous().view(torch.int8).unsqueeze(1), _f16(b, 0).unsqueeze(1), None, None
+    return "q8", b[:, 2:34].contiguous().view(torch.int8).unsqueeze(1), _f16(b, 0), None, None
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,8 +132,8 @@ def _q6_k(b: torch.Tensor) -> tuple:  # 128 bytes low nibbles, 64 bytes 2-bit hi
     return "q6k", q, _f16(b, 208), None, b[:, 192:208].contiguous().view(torch.int8)
 
 
-# GGUF type -> its block decoder: (kind, q [blocks, groups, bytes], d [blocks, scales], m or None, sub or None), the
-# fields of QuantizedWeight per block
+# GGUF type -> its block decoder: (kind, q [blocks, groups, bytes], d [blocks(, scales)], m or None, sub or None),
+# the fields of QuantizedWeight per block
 _DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
              Q.Q6_K: _q6_k}
 
@@ -150,9 +150,9 @@ def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
     rows, cols = shape
     blocks = _u8(np.asarray(tensor.data)).reshape(rows * cols // _block_size(kind), -1)
     name, q, d, m, sub = decoder(blocks)
-    rows_of = lambda t, *shape: None if t is None else t.reshape(rows, *shape).contiguous()  # noqa: E731
-    return QuantizedWeight(name, rows_of(q, cols // 32, -1), rows_of(d, -1), rows_of(m, -1), kind.name,
-                           rows_of(sub, *([cols // 32, 2] if sub is not None and sub.dim() == 3 else [-1])))
+    # per block [blocks, n, *rest] -> per row [rows, blocks a row x n, *rest]
+    by_row = lambda t: None if t is None else t.reshape(rows, -1, *t.shape[2:]).contiguous()  # noqa: E731
+    return QuantizedWeight(name, by_row(q), by_row(d), by_row(m), kind.name, by_row(sub))
 
 
 def _block_size(kind: GGMLQuantizationType) -> int:
