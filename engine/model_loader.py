@@ -31,6 +31,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
+
     from engine.models.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -137,9 +139,10 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
 
     from engine.gguf_weights import ROPE_FREQS
 
-    tokenizer = _gguf_tokenizer(gguf_path)
+    reader = GGUFReader(str(gguf_path))  # parsed once here: a 128k-token vocabulary takes gguf-py ~4 s
+    tokenizer = _gguf_tokenizer(gguf_path, reader)
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = {t.name: t for t in reader.tensors}
     values = config.to_dict()
     values.pop("quantization_config", None)
     values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
@@ -184,20 +187,21 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     return _write_folder(folder, write)
 
 
-def _gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(gguf_path: Path, reader: GGUFReader | None = None) -> PreTrainedTokenizerBase:
     """transformers' conversion of the file's tokenizer, with the file's own special tokens."""
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    set_gguf_special_tokens(tokenizer, gguf_path)
+    set_gguf_special_tokens(tokenizer, gguf_path, reader)
     return tokenizer
 
 
-def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path) -> None:
-    """Take the BOS/EOS/PAD/UNK tokens from the file's own metadata. Some transformers releases (5.17 among them)
-    convert the default model's tokenizer with ``<|im_start|>`` as its EOS although the file names ``<|im_end|>``,
-    and the tokenizer's EOS is one of the tokens a request stops at."""
+def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path,
+                            reader: GGUFReader | None = None) -> None:
+    """Take the BOS/EOS/PAD/UNK tokens from the file's own metadata (``reader``: the file already parsed). Some
+    transformers releases (5.17 among them) convert the default model's tokenizer with ``<|im_start|>`` as its EOS
+    although the file names ``<|im_end|>``, and the tokenizer's EOS is one of the tokens a request stops at."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(str(gguf_path)).fields
+    fields = (reader or GGUFReader(str(gguf_path))).fields
     for attr, key in _GGUF_SPECIAL_TOKENS.items():
         field = fields.get(f"tokenizer.ggml.{key}")
         if field is not None:
