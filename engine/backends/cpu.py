@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 # 64 tokens, as decode steps carry them, and chunks of any length within the first 1024 positions are faster in
 # the one call (docs/history/benchmarks-2026-11.md); deeper long chunks keep the modules.
 DECODER_MAX_QUERY_LEN = 64
-PACK_CHUNK_PANELS = 512
 DECODER_MAX_PREFILL_CONTEXT = 1024
+PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pack_quantized)
 
 
 @dataclass(frozen=True)
