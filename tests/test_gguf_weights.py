@@ -74,6 +74,20 @@ def test_each_type_decodes_to_gguf_pys_values(gguf_tensors, kind):
     assert ours.nbytes <= 1.25 * 40 * 512  # the row form holds about the bytes of the panels, never fp32's
 
 
+@pytest.mark.parametrize("kind", list(F16_AT), ids=lambda k: k.name)
+def test_a_cut_of_the_inputs_keeps_their_values(gguf_tensors, kind):
+    """A tensor-parallel rank's part of a row-split projection (``QuantizedWeight.columns``): at super-block bounds
+    and inside them, where a K-quant is expanded first."""
+    weight = decode(gguf_tensors[kind.name])
+    whole = weight.dequantize()
+    for start, stop in ((256, 512), (32, 96), (0, 480)):
+        part = weight.columns(start, stop)
+        assert part.shape == (40, stop - start)
+        assert torch.equal(part.dequantize().view(torch.int32), whole[:, start:stop].view(torch.int32))
+    with pytest.raises(ValueError, match="cannot be cut at inputs 16:64"):
+        weight.columns(16, 64)
+
+
 @pytest.mark.parametrize("name", ["float32", "float16"])
 def test_dense_tensors_keep_their_dtype(gguf_tensors, name):
     tensor = gguf_tensors[name]

@@ -96,6 +96,19 @@ class QuantizedWeight:
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return QuantizedWeight(self.kind, self.q[index], self.d[index], pick(self.m), self.ggml_type, pick(self.sub))
 
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """The weight of inputs ``start:stop`` (a tensor-parallel rank's part of a row-split projection). A K-quant
+        cut inside its 256-input super-blocks is first expanded to its per-32 (per-16) kind, the same values."""
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"a {self.ggml_type} weight cannot be cut at inputs {start}:{stop} (blocks of {GROUP})")
+        if self.kind in _K_QUANTS and (start % SUPER or stop % SUPER):
+            return self._expanded().columns(start, stop)
+        per = GROUP // 2 if self.kind in _PER_16 else SUPER if self.kind in _K_QUANTS else GROUP
+        sub_per = GROUP // 2 if self.kind == "q6k" else GROUP
+        cut = lambda t, n: None if t is None else t[:, start // n:stop // n]  # noqa: E731
+        return QuantizedWeight(self.kind, cut(self.q, GROUP), cut(self.d, per), cut(self.m, per), self.ggml_type,
+                               cut(self.sub, sub_per))
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The weights stacked along the outputs (a fused q/k/v or gate/up)."""
