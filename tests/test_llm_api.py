@@ -160,13 +160,13 @@ def test_max_tokens_none_runs_to_the_context_limit():
     assert len(ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
 
 
-def test_a_step_that_samples_nothing():
+def test_a_step_that_samples_nothing(llm):
     """A lone prompt longer than the step budget: its first steps only write K/V and sample nothing."""
     chunked = LLM(max_num_batched_tokens=16)
     long_prompt = PROMPTS[7] * 2
     out = chunked.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.prompt_token_ids) > 3 * 16 and len(out.outputs[0].token_ids) == 4
-    reference = LLM().generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
+    reference = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
