@@ -63,6 +63,8 @@ _HELP = {
     "triton",
     "seed": "seed of the engine's random state (requests may carry their own)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "tensor_parallel_size": "split every layer over N ranks, one process each (on a CPU the cores are shared out "
+    "between them; on CUDA one GPU each); the model's heads, KV heads and MLP width must divide evenly",
     "gemm_kernels": "CPU products: auto (the faster family, timed at start-up), c (Harpoon's panels), onednn",
     "speculative_config": "n-gram speculative decoding for greedy requests, as JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '

@@ -92,6 +92,9 @@ class EngineConfig:
     gemm_kernels: str = "auto"
     # N-gram speculative decoding (engine/spec_decode.py): a SpeculativeConfig, or its dict or JSON text; off if None.
     speculative_config: SpeculativeConfig | None = None
+    # Ranks the model's layers are split over (engine/tensor_parallel.py): one process each, on the host's cores
+    # shared out between them or one GPU each.
+    tensor_parallel_size: int = 1
     # Keep the timelines of the last N requests (engine/timeline.py; the server's /debug/requests); 0: off.
     request_timelines: int = 0
 
@@ -102,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"gemm_kernels must be auto, c or onednn, got {self.gemm_kernels!r}")
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

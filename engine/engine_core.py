@@ -6,11 +6,9 @@ process. Tokenization happens outside; requests arrive as token ids.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from concurrent import futures
 
 import torch
@@ -21,17 +19,19 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.limits import EngineLimits
 from engine.memory_ledger import LedgerProbe, MemoryLedger, held_tensor_bytes
-from engine.model_loader import eos_token_ids, iter_weights, load_config, load_tokenizer, resolve_model
+from engine.model_loader import eos_token_ids, load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
-from engine.models import build_model
-from engine.models.llama import head_dim_of, num_kv_heads_of
+from engine.models import load_model
+from engine.models.llama import head_dim_of
 from engine.outputs import EngineCoreOutput, EngineStats, ModelRunnerOutput, StepCounters
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
+from engine.tensor_parallel import Shard
 from engine.timeline import Timelines
+from engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
@@ -58,23 +58,34 @@ class EngineCore:
         probe = LedgerProbe(self.device)
         self.dtype = resolve_dtype(config, self.device, self.hf_config)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        tp = config.tensor_parallel_size
+        shard = Shard(0, tp, self.hf_config) if tp > 1 else None  # checks the split before any process starts
         self.backend = select_backend(config, self.device, self.dtype)
         self.backend.check_shapes(config.block_size, head_dim_of(self.hf_config))
 
         started = time.monotonic()
-        with torch.device(self.device), _default_dtype(self.dtype):  # parameters made in the dtype: no fp32 copy
-            model = build_model(self.hf_config, self.max_model_len, self.backend.make_attention)
-        model.load_weights(iter_weights(files, self.hf_config))
-        self.model = model.eval()
-        # GEMM FLOPs of a token through the layers, and of a row through the LM head (the step counters' gemm_flops)
-        self._token_flops = sum(2 * m.in_features * m.out_features for m in model.layers.modules()
+        # ranks 1..N-1 load their parts while this process loads rank 0's
+        self.tp_workers = TPWorkers(config, self.dtype, self.max_model_len) if shard else None
+        try:
+            self.model = load_model(files, self.hf_config, self.max_model_len, self.backend, self.device, self.dtype,
+                                    shard, self.tp_workers and self.tp_workers.all_reduce)
+            if self.tp_workers is not None:
+                self.tp_workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        # GEMM FLOPs of a token through the layers, and of a row through the LM head (the step counters' gemm_flops);
+        # a tensor-parallel rank's are 1/N of the layers'
+        self._token_flops = sum(2 * m.in_features * m.out_features for m in self.model.layers.modules()
                                 if isinstance(m, torch.nn.Linear))
-        self._logit_row_flops = 2 * model.lm_head.in_features * model.lm_head.out_features
-        self.backend.prepare(self.model)
-        logger.info("loaded %s (%s, %s, %s) in %.1f s", self.model_name, self.dtype, self.device,
-                    self.backend.describe(), time.monotonic() - started)
+        self._logit_row_flops = 2 * self.model.lm_head.in_features * self.model.lm_head.out_features
+        logger.info("loaded %s (%s, %s, %s%s) in %.1f s", self.model_name, self.dtype, self.device,
+                    self.backend.describe(), f", tensor parallel over {tp} ranks" if tp > 1 else "",
+                    time.monotonic() - started)
 
         self.kv_cache = self._allocate_kv_cache()
+        if self.tp_workers is not None:
+            self.tp_workers.allocate(self.kv_cache.num_blocks)
         logger.info(self.kv_cache.describe())
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.limits = EngineLimits(self.max_model_len, self.vocab_size, config.block_size, self.kv_cache.num_blocks)
@@ -88,7 +99,7 @@ class EngineCore:
         self.counters = StepCounters()
         self.timelines: Timelines | None = None  # made once warmed up: the start-up's made-up prompts are not kept
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
-                                        self.max_model_len)
+                                        self.max_model_len, self.tp_workers)
         probe.measure_workspace(lambda: self.backend.warm_up(self))
         self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.memory_ledger = self._memory_ledger(probe)
@@ -132,11 +143,17 @@ class EngineCore:
         return limit
 
     def _allocate_kv_cache(self) -> KVCache:
-        cfg = self.hf_config
-        spec = KVCacheSpec(
-            cfg.num_hidden_layers, num_kv_heads_of(cfg), head_dim_of(cfg), self.config.block_size, self.kv_cache_dtype
-        )
-        return KVCache(spec, spec.num_blocks_for(self.backend.kv_cache_bytes()), self.device)
+        """The pool in the backend's budget; under tensor parallelism every rank holds the same blocks of its own
+        KV heads, and all the ranks' pools together keep to the budget."""
+        spec = KVCacheSpec.of_model(self.model.config, self.config.block_size, self.kv_cache_dtype)
+        budget = self.backend.kv_cache_bytes() // self.config.tensor_parallel_size
+        return KVCache(spec, spec.num_blocks_for(budget), self.device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop by themselves when this process ends)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
 
     def _memory_ledger(self, probe: LedgerProbe) -> MemoryLedger:
         pool = [t for pair in self.kv_cache.layers for t in pair]
@@ -254,16 +271,6 @@ class EngineCore:
         c.forward_s += result.forward_s
         c.sample_s += result.sample_s
         c.update_s += update_s
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _monotonic(*perf_times: float) -> tuple[float, ...]:

@@ -6,6 +6,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
+
+from engine.models.llama import head_dim_of, num_kv_heads_of
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,11 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
+
+    @classmethod
+    def of_model(cls, config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The pool a model of ``config`` needs (under tensor parallelism, a rank's model: its KV heads only)."""
+        return cls(config.num_hidden_layers, num_kv_heads_of(config), head_dim_of(config), block_size, dtype)
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block

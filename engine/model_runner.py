@@ -22,6 +22,7 @@ from engine.sampler import Sampler, TopLogprobs, top_logprobs
 from engine.sampling_metadata import SamplingMetadata
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import accepted_tokens
+from engine.tp_workers import TPWorkers
 from kernels import cdiv
 
 
@@ -41,8 +42,9 @@ class _PromptScoring:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TorchBackend, vocab_size: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, tp_workers: TPWorkers | None = None) -> None:
         self.model = model
+        self.tp_workers = tp_workers  # the other tensor-parallel ranks, which run every forward beside this one
         self.kv_cache = kv_cache
         # NOTE: + 1: a verify step's drafts may reach one block past the context's last (never read as context).
         self.block_tables = BlockTables(max_num_seqs, cdiv(max_model_len, kv_cache.spec.block_size) + 1)
@@ -88,6 +90,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
         prepared = time.perf_counter()
+        if self.tp_workers is not None:
+            self.tp_workers.dispatch(ids, pos, meta)
         hidden = self.backend.forward(self.model, ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
         out = ModelRunnerOutput(prepare_s=prepared - started_at, forward_s=time.perf_counter() - prepared)
         prompt_rows = [row for s in scorings for row in s.rows]

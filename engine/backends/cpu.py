@@ -167,7 +167,9 @@ class CpuBackend(TorchBackend):
                                               requires_grad=False)
         if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
-        self.decoder = _decoder(model)
+        # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
+        # cannot; its steps go through the modules, whose products are the same panels.
+        self.decoder = _decoder(model) if self.config.tensor_parallel_size == 1 else None
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -98,7 +98,8 @@ class TritonBackend(TorchBackend):
         model.rotary.sin_cache = model.rotary.sin_cache.to(self.dtype)
 
     def bind(self, engine: EngineCore) -> None:
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        # NOTE: under tensor parallelism the steps run eagerly: a captured graph would hold the ranks' collectives.
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
             self.graphs = CudaGraphs(engine.model, engine.kv_cache, engine.max_num_batched_tokens,
                                      self.config.max_num_seqs, engine.max_model_len, self.device)
 

@@ -6,9 +6,12 @@ Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 share one decoder (``llama.py``) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 from transformers import PretrainedConfig
 
 from engine.models.llama import (
@@ -19,6 +22,11 @@ from engine.models.llama import (
     qwen2_variant,
     qwen3_variant,
 )
+
+if TYPE_CHECKING:
+    from engine.backends.base import TorchBackend
+    from engine.model_loader import ModelFiles
+    from engine.tensor_parallel import AllReduce, Shard
 
 
 @dataclass(frozen=True)
@@ -42,3 +50,33 @@ def build_model(config: PretrainedConfig, max_position: int, make_attention: Att
     if arch is None:
         raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
     return arch.model_class(config, arch.variant(config), max_position, make_attention)
+
+
+def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, backend: TorchBackend,
+               device: torch.device, dtype: torch.dtype, shard: Shard | None = None,
+               all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+    """The model of ``files`` (``config``: the whole model's) with its weights in ``dtype`` on ``device`` and packed
+    by ``backend``; under tensor parallelism only ``shard``'s part, its input-split projections summed by
+    ``all_reduce``. Parameters are made in the dtype, so no fp32 copy of a bf16 checkpoint is ever made."""
+    from engine.model_loader import iter_weights
+
+    with torch.device(device), _default_dtype(dtype):
+        model = build_model(shard.model_config() if shard else config, max_position, backend.make_attention)
+    weights = iter_weights(files, config)
+    model.load_weights(shard.weights(weights) if shard else weights)
+    if all_reduce is not None:
+        for layer in model.layers:
+            layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = all_reduce
+    model.eval()
+    backend.prepare(model)
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -29,11 +29,18 @@ class Linear(nn.Linear):
 
     kernel: LinearKernel | None = None
     quantized: QuantizedWeight | None = None  # a GGUF file's blocks, until a backend packs or dequantizes them
+    # A tensor-parallel rank's input-split projection (engine/tensor_parallel.py): its product is a partial sum,
+    # summed in place across the ranks before the bias is added once.
+    all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is not None:
+            out = self.kernel(x, None) if self.kernel is not None else F.linear(x, self.weight)
+            self.all_reduce(out)
+            return out if self.bias is None else out + self.bias
         if self.kernel is not None:
             return self.kernel(x, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,138 @@
+"""Tensor parallelism within one host: what each rank holds of the model, and the sum that joins their products.
+
+Megatron's split of a decoder layer: every rank holds 1/N of the attention heads (q/k/v split by rows, their KV
+heads with them) and of the MLP's gate/up columns, so attention and the activation run on each rank's own slice
+without talking; o_proj and down_proj are split by their inputs, so each rank's product is a partial sum of the full
+output, and one all-reduce per projection makes the residual stream whole again on every rank (two a layer).
+Embeddings, norms and the LM head are replicated; only rank 0 samples. Where the model has fewer KV heads than
+ranks, each KV head is replicated on N / num_kv_heads ranks, as vLLM does.
+
+The sum runs over ``torch.distributed``'s process groups (gloo on a CPU, NCCL on CUDA), made privately per engine
+(no global default group), so one process may build and drop engines as often as it likes.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from engine.models.llama import head_dim_of, num_kv_heads_of
+from engine.models.quantized import QuantizedWeight
+
+# A collective that waits longer than this on a peer raises instead of hanging: a rank that stopped without closing
+# its sockets (a hung worker). A step's ranks reach each all-reduce within one layer's compute of each other.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=60)  # for every rank to start and join (a worker imports torch first)
+
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # outputs split: each rank its rows
+_INPUT_SPLIT = ("o_proj", "down_proj")  # inputs split: each rank a partial sum, all-reduced
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``size``: which heads and MLP columns it holds of a model of ``config``'s shape."""
+
+    rank: int
+    size: int
+    config: PretrainedConfig  # the whole model's
+
+    def __post_init__(self) -> None:
+        check_divisible(self.config, self.size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(1, num_kv_heads_of(self.config) // self.size)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    def model_config(self) -> PretrainedConfig:
+        """The config this rank's model is built from: its heads and MLP columns, the hidden size unchanged."""
+        config = copy.deepcopy(self.config)
+        config.head_dim = head_dim_of(self.config)  # no longer hidden_size // heads once the heads are split
+        config.num_attention_heads = self.num_heads
+        config.num_key_value_heads = self.num_kv_heads
+        config.intermediate_size = self.intermediate_size
+        return config
+
+    def weights(
+        self, weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """A checkpoint's tensors (Hugging Face names) cut to this rank's part; the replicated ones whole."""
+        for name, tensor in weights:
+            parts = name.split(".")
+            layer = parts[-2] if len(parts) >= 2 else ""
+            if layer in _ROW_SPLIT:
+                start, stop = self._output_rows(layer)
+                yield name, tensor.rows(slice(start, stop)) if isinstance(tensor, QuantizedWeight) \
+                    else tensor[start:stop]
+            elif layer in _INPUT_SPLIT and parts[-1] == "weight":
+                start, stop = self._input_columns(layer)
+                yield name, tensor.columns(start, stop) if isinstance(tensor, QuantizedWeight) \
+                    else tensor[:, start:stop]
+            else:  # embeddings, norms, the LM head, and o/down biases (added once, after the sum)
+                yield name, tensor
+
+    def _output_rows(self, layer: str) -> tuple[int, int]:
+        head_dim = head_dim_of(self.config)
+        if layer == "q_proj":
+            return self.rank * self.num_heads * head_dim, (self.rank + 1) * self.num_heads * head_dim
+        if layer in ("k_proj", "v_proj"):
+            first = self.rank * num_kv_heads_of(self.config) // self.size  # replicated: ranks share a head
+            return first * head_dim, (first + self.num_kv_heads) * head_dim
+        return self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size
+
+    def _input_columns(self, layer: str) -> tuple[int, int]:
+        width = self.num_heads * head_dim_of(self.config) if layer == "o_proj" else self.intermediate_size
+        return self.rank * width, (self.rank + 1) * width
+
+
+def check_divisible(config: PretrainedConfig, size: int) -> None:
+    """ValueError unless a model of ``config``'s shape splits evenly over ``size`` ranks."""
+    heads, kv_heads = config.num_attention_heads, num_kv_heads_of(config)
+    problems = []
+    if heads % size:
+        problems.append(f"its {heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"its {kv_heads} KV heads (a divisor or a multiple of the size is needed)")
+    if config.intermediate_size % size:
+        problems.append(f"its MLP width {config.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
+
+
+class AllReduce:
+    """In-place sums over one private process group: ``gloo`` over the host's loopback, or NCCL between GPUs."""
+
+    def __init__(self, store_path: str, rank: int, size: int, device: torch.device) -> None:
+        store = torch.distributed.FileStore(store_path, size)
+        store.set_timeout(RENDEZVOUS_TIMEOUT)
+        if device.type == "cuda":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self.group = torch.distributed.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.group = torch.distributed.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        self.rank, self.size = rank, size
+        self.num_calls = 0
+        self.seconds = 0.0  # time spent in the sums (waiting for the slowest rank included), for the step profile
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            self.group.allreduce([tensor]).wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"tensor-parallel sum failed on rank {self.rank} (a rank died or hung): {e}") from e
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
