@@ -65,7 +65,8 @@ class EngineCore:
 
         started = time.monotonic()
         # ranks 1..N-1 load their parts while this process loads rank 0's
-        self.tp_workers = TPWorkers(config, self.dtype, self.max_model_len) if shard else None
+        self.tp_workers = TPWorkers(config, self.hf_config.hidden_size, self.dtype, self.max_model_len) \
+            if shard else None
         try:
             self.model = load_model(files, self.hf_config, self.max_model_len, self.backend, self.device, self.dtype,
                                     shard, self.tp_workers and self.tp_workers.all_reduce)

@@ -7,16 +7,20 @@ output, and one all-reduce per projection makes the residual stream whole again 
 Embeddings, norms and the LM head are replicated; only rank 0 samples. Where the model has fewer KV heads than
 ranks, each KV head is replicated on N / num_kv_heads ranks, as vLLM does.
 
-The sum runs over ``torch.distributed``'s process groups (gloo on a CPU, NCCL on CUDA), made privately per engine
-(no global default group), so one process may build and drop engines as often as it likes.
+The sum runs over ``torch.distributed``'s process groups (NCCL on CUDA, gloo on a CPU), made privately per engine
+(no global default group), so one process may build and drop engines as often as it likes; on a CPU, through a
+shared-memory segment in C where that measures faster at start (``AllReduce``).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import mmap
+import os
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +28,14 @@ from transformers import PretrainedConfig
 
 from engine.models.llama import head_dim_of, num_kv_heads_of
 from engine.models.quantized import QuantizedWeight
+from kernels import cpu as cpu_kernels
 
 # A collective that waits longer than this on a peer raises instead of hanging: a rank that stopped without closing
 # its sockets (a hung worker). A step's ranks reach each all-reduce within one layer's compute of each other.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+SHM_SLOT_ROWS = 256  # activation rows a shared-memory sum takes at a time (longer steps go in pieces)
+SHM_WAIT_S = 1.0  # a shared-memory sum waits this long before it checks that its peers live
+CHOICE_REPS = 20  # sums each way is timed over at start
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=60)  # for every rank to start and join (a worker imports torch first)
 
 _ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # outputs split: each rank its rows
@@ -113,9 +121,14 @@ def check_divisible(config: PretrainedConfig, size: int) -> None:
 
 
 class AllReduce:
-    """In-place sums over one private process group: ``gloo`` over the host's loopback, or NCCL between GPUs."""
+    """In-place sums across the ranks, in one of two ways, both made at start and the faster kept:
+    - ``gloo`` (``nccl`` on CUDA, where it is the only way): a private ``torch.distributed`` process group;
+    - ``shm``, on a CPU with the C kernels: the ranks' shared segment (``kernels/cpu/shm_sum.c``).
+    Every rank times both on the same calls right after joining; rank 0's verdict is broadcast, so all ranks take
+    the same way. The group also carries that broadcast."""
 
-    def __init__(self, store_path: str, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, store_path: str, shm_path: str, rank: int, size: int, device: torch.device, hidden: int,
+                 peers_alive: Callable[[], bool]) -> None:
         store = torch.distributed.FileStore(store_path, size)
         store.set_timeout(RENDEZVOUS_TIMEOUT)
         if device.type == "cuda":
@@ -125,14 +138,83 @@ class AllReduce:
         else:
             self.group = torch.distributed.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         self.rank, self.size = rank, size
+        self.shm = _ShmSum(shm_path, rank, size, SHM_SLOT_ROWS * hidden, peers_alive) \
+            if device.type == "cpu" and cpu_kernels.available() else None
+        self.timings: dict[str, float] = {}  # way -> seconds a [1, hidden] sum took at start (median)
+        self.way = "nccl" if device.type == "cuda" else "gloo"
+        self._sum: Callable[[torch.Tensor], None] = self._group_sum
+        if self.shm is not None:
+            self._choose(hidden)
         self.num_calls = 0
         self.seconds = 0.0  # time spent in the sums (waiting for the slowest rank included), for the step profile
 
     def __call__(self, tensor: torch.Tensor) -> None:
         start = time.perf_counter()
         try:
-            self.group.allreduce([tensor]).wait()
+            self._sum(tensor)
         except RuntimeError as e:
             raise RuntimeError(f"tensor-parallel sum failed on rank {self.rank} (a rank died or hung): {e}") from e
         self.seconds += time.perf_counter() - start
         self.num_calls += 1
+
+    def _group_sum(self, tensor: torch.Tensor) -> None:
+        self.group.allreduce([tensor]).wait()
+
+    def _choose(self, hidden: int) -> None:
+        x = torch.empty(1, hidden)
+        for way, run in (("gloo", self._group_sum), ("shm", self.shm)):
+            times = []
+            for _ in range(CHOICE_REPS):
+                x.fill_(self.rank + 1)
+                start = time.perf_counter()
+                run(x)
+                times.append(time.perf_counter() - start)
+            if not bool((x == self.size * (self.size + 1) / 2).all()):
+                raise RuntimeError(f"the {way} sum across {self.size} ranks gave a wrong result")
+            self.timings[way] = statistics.median(times)
+        verdict = torch.tensor([int(self.timings["shm"] < self.timings["gloo"])])
+        self.group.broadcast([verdict], torch.distributed.BroadcastOptions()).wait()  # rank 0's, for every rank
+        if verdict.item():
+            self.way, self._sum = "shm", self.shm
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{way} {t * 1e6:.0f} us" for way, t in self.timings.items())
+        return f"tensor-parallel sums over {self.way}" + (f" (a [1, hidden] sum at start: {timed})" if timed else "")
+
+
+def make_shm_segment(path: str, size: int, hidden: int) -> None:
+    """The shared-memory sums' segment for ``size`` ranks of a model ``hidden`` wide, all zeros (every flag at
+    generation 0): made by the engine before any rank maps it. Nothing if the C kernels are missing."""
+    if not cpu_kernels.available():
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, cpu_kernels.shm_sum_bytes(size, SHM_SLOT_ROWS * hidden))
+    finally:
+        os.close(fd)
+
+
+class _ShmSum:
+    """The ranks' shared segment (a file under /dev/shm the engine makes and removes) and this rank's calls into it.
+    Calls longer than a slot go a slot at a time; a wait past ``SHM_WAIT_S`` asks whether the peers live before it
+    goes on, so a dead rank fails the sum instead of hanging it."""
+
+    def __init__(self, path: str, rank: int, size: int, slot: int, peers_alive: Callable[[], bool]) -> None:
+        self.rank, self.size, self.slot, self.peers_alive = rank, size, slot, peers_alive
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, cpu_kernels.shm_sum_bytes(size, slot))
+        finally:
+            os.close(fd)
+        self.view = torch.frombuffer(self.map, dtype=torch.uint8)  # keeps the address valid
+        self.generation = 0
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        flat = tensor.view(-1)
+        for start in range(0, flat.numel(), self.slot):
+            self.generation += 1
+            part = flat[start:start + self.slot]
+            while not cpu_kernels.shm_sum(self.view.data_ptr(), self.rank, self.size, self.slot, part,
+                                          self.generation, SHM_WAIT_S):
+                if not self.peers_alive():
+                    raise RuntimeError("a rank stopped before the shared-memory sum")

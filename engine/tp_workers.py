@@ -41,7 +41,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import load_config, resolve_model
 from engine.models import load_model
-from engine.tensor_parallel import AllReduce, Shard
+from engine.tensor_parallel import AllReduce, Shard, make_shm_segment
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ class WorkerArgs:
 
     config: EngineConfig
     rank: int
-    store_path: str
+    store_path: str  # the process group's rendezvous file
+    shm_path: str  # the shared-memory sums' segment (tensor_parallel.AllReduce)
+    hidden: int
     dtype: torch.dtype
     max_model_len: int
     log_level: int
@@ -78,10 +80,12 @@ class TPWorkers:
     Workers are plain subprocesses (``python -m engine.tp_workers``) over a socket pair, not ``multiprocessing``
     children: the server's engine process is a daemon, which ``multiprocessing`` forbids to have children."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hidden: int, dtype: torch.dtype, max_model_len: int) -> None:
         size = config.tensor_parallel_size
-        self._store_dir = tempfile.mkdtemp(prefix="harpoon-tp-")
-        store_path = os.path.join(self._store_dir, "store")
+        self._dir = tempfile.mkdtemp(prefix="harpoon-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        store_path, self._shm_path = os.path.join(self._dir, "store"), os.path.join(self._dir, "sums")
+        if rank_device(config, 0).type == "cpu":
+            make_shm_segment(self._shm_path, size, hidden)
         env = dict(os.environ)  # the engine's package importable from wherever the server was started
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -93,15 +97,22 @@ class TPWorkers:
                                        pass_fds=[theirs.fileno()], env=env)
             theirs.close()
             pipe = Connection(ours.detach())
-            pipe.send(WorkerArgs(config, rank, store_path, dtype, max_model_len, logging.getLogger().level))
+            pipe.send(WorkerArgs(config, rank, store_path, self._shm_path, hidden, dtype, max_model_len,
+                                 logging.getLogger().level))
             self.processes.append(process)
             self.pipes.append(pipe)
         torch.set_num_threads(threads_per_rank(config))
-        try:
-            self.all_reduce = AllReduce(store_path, 0, size, rank_device(config, 0))  # waits for every rank to join
+        try:  # waits for every rank to join, then times the ways to sum
+            self.all_reduce = AllReduce(store_path, self._shm_path, 0, size, rank_device(config, 0), hidden,
+                                        self.alive)
+        except RuntimeError as e:
+            errors = self._start_errors()
+            self.close()
+            raise RuntimeError(f"tensor-parallel ranks did not join: {e}" + "".join(errors)) from None
         except BaseException:
             self.close()
             raise
+        logger.info(self.all_reduce.describe())
 
     def wait_ready(self) -> None:
         """Once the engine's own part is loaded: wait for the workers' (they load theirs at the same time)."""
@@ -114,6 +125,17 @@ class TPWorkers:
                 error = f"it exited with code {self.processes[rank - 1].wait()}"
             if error is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {error}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._shm_path)  # every rank has it mapped: nothing is left behind however the engine ends
+
+    def _start_errors(self) -> list[str]:
+        """What the workers that stopped while starting said, if anything."""
+        errors = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            with contextlib.suppress(EOFError, OSError):
+                if pipe.poll(1.0) and (error := pipe.recv()) is not None:
+                    errors.append(f"\nrank {rank}: {error}")
+        return errors
 
     def allocate(self, num_blocks: int) -> None:
         for pipe in self.pipes:
@@ -128,6 +150,9 @@ class TPWorkers:
                 pipe.send_bytes(data)
             except OSError as e:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e}); the engine must be restarted") from e
+
+    def alive(self) -> bool:
+        return all(process.poll() is None for process in self.processes)
 
     def check_alive(self) -> None:
         for rank, process in enumerate(self.processes, start=1):
@@ -148,7 +173,7 @@ class TPWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        shutil.rmtree(self._store_dir, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def run_worker(args: WorkerArgs, pipe: Connection) -> None:
@@ -159,7 +184,9 @@ def run_worker(args: WorkerArgs, pipe: Connection) -> None:
     try:
         torch.set_num_threads(threads_per_rank(config))
         device = rank_device(config, args.rank)
-        all_reduce = AllReduce(args.store_path, args.rank, config.tensor_parallel_size, device)
+        engine_pid = os.getppid()
+        all_reduce = AllReduce(args.store_path, args.shm_path, args.rank, config.tensor_parallel_size, device,
+                               args.hidden, lambda: os.getppid() == engine_pid)
         files = resolve_model(config.model)
         shard = Shard(args.rank, config.tensor_parallel_size, load_config(files))
         backend = select_backend(config, device, args.dtype)

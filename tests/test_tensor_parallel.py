@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import Shard
+from engine.tensor_parallel import SHM_SLOT_ROWS, AllReduce, Shard, make_shm_segment
 from kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
@@ -83,6 +83,38 @@ def test_a_split_that_does_not_divide_the_model_is_refused(heads, kv_heads, size
                          num_key_value_heads=kv_heads)
     with pytest.raises(ValueError, match=message):
         Shard(0, size, config)
+
+
+def _sum_on_rank(rank: int, size: int, folder: str, results) -> None:
+    """One rank of ``test_both_ways_to_sum_give_every_rank_the_rank_order_sum``."""
+    all_reduce = AllReduce(f"{folder}/store", f"{folder}/sums", rank, size, torch.device("cpu"), 8, lambda: True)
+    torch.manual_seed(rank)
+    mine = torch.randn(SHM_SLOT_ROWS + 44, 8)  # more rows than a slot: the shared-memory sum goes in two pieces
+    for way, run in (("gloo", all_reduce._group_sum), ("shm", all_reduce.shm)):
+        x = mine.clone()
+        run(x)
+        results[(way, rank)] = x
+    results[("chosen", rank)] = all_reduce.way
+
+
+def test_both_ways_to_sum_give_every_rank_the_rank_order_sum(tmp_path):
+    size = 3
+    make_shm_segment(str(tmp_path / "sums"), size, 8)
+    context = torch.multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        torch.multiprocessing.start_processes(_sum_on_rank, args=(size, str(tmp_path), results), nprocs=size,
+                                              start_method="spawn")
+        results = dict(results)
+    parts = []
+    for rank in range(size):
+        torch.manual_seed(rank)
+        parts.append(torch.randn(SHM_SLOT_ROWS + 44, 8))
+    expected = parts[0] + parts[1] + parts[2]
+    for rank in range(size):
+        assert torch.equal(results[("shm", rank)], expected)  # the same bits on every rank
+        assert torch.allclose(results[("gloo", rank)], expected, atol=1e-6)
+    assert len({results[("chosen", rank)] for rank in range(size)}) == 1  # rank 0's verdict, taken by all
 
 
 def _greedy(model: str | None, prompts: list, size: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -1,5 +1,6 @@
 """fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step; ``blocks.c`` finds the
-4- and 8-bit blocks of weights at load), compiled on first use with the host's C compiler and loaded with ctypes.
+4- and 8-bit blocks of weights at load; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on
+first use with the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -25,7 +26,7 @@ import torch
 from kernels import cdiv
 from kernels.cpu import blocks
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.c", "decoder.c", "blocks.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.c", "decoder.c", "blocks.c", "shm_sum.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
@@ -66,6 +67,8 @@ def find_compiler() -> str | None:
 
 _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
+    "hp_shm_sum": [_ptr, _c_int, _c_int, _c_i64, _ptr, _c_i64, _c_i64, ctypes.c_double],
+    "hp_shm_sum_bytes": [_c_int, _c_i64],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -83,7 +86,8 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_bf16_native": [],
     "hp_set_bf16_emulation": [_c_int],
 }
-_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int}
+_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_shm_sum": _c_int,
+            "hp_shm_sum_bytes": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -428,6 +432,19 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     _library().hp_rotary(
         x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim
     )
+
+
+def shm_sum_bytes(ranks: int, slot: int) -> int:
+    """The shared segment ``shm_sum`` needs for ``ranks`` ranks summing up to ``slot`` floats a call."""
+    return _library().hp_shm_sum_bytes(ranks, slot)
+
+
+def shm_sum(base: int, rank: int, ranks: int, slot: int, x: torch.Tensor, generation: int, timeout_s: float) -> bool:
+    """x (contiguous fp32, at most ``slot`` elements) summed in place across the ranks through the shared segment at
+    address ``base`` (``shm_sum.c``); False if a rank had not arrived within ``timeout_s`` (call again to go on
+    waiting)."""
+    _check(x, torch.float32, "x")
+    return _library().hp_shm_sum(base, rank, ranks, slot, x.data_ptr(), x.numel(), generation, timeout_s) == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
