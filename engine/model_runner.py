@@ -93,6 +93,8 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.dispatch(ids, pos, meta)
         hidden = self.backend.forward(self.model, ids, pos, self.kv_cache.layers, meta)  # [num_tokens, hidden]
+        if self.tp_workers is not None:
+            self.tp_workers.forward_done()
         out = ModelRunnerOutput(prepare_s=prepared - started_at, forward_s=time.perf_counter() - prepared)
         prompt_rows = [row for s in scorings for row in s.rows]
         verify_rows = [v.first_row + i for v in verifications for i in range(len(v.draft_ids) + 1)]

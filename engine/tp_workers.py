@@ -101,7 +101,9 @@ class TPWorkers:
                                  logging.getLogger().level))
             self.processes.append(process)
             self.pipes.append(pipe)
-        torch.set_num_threads(threads_per_rank(config))
+        self._rank_threads = threads_per_rank(config)
+        self._all_threads = max(self._rank_threads, len(os.sched_getaffinity(0)))
+        torch.set_num_threads(self._rank_threads)
         try:  # waits for every rank to join, then times the ways to sum
             self.all_reduce = AllReduce(store_path, self._shm_path, 0, size, rank_device(config, 0), hidden,
                                         self.alive)
@@ -144,12 +146,19 @@ class TPWorkers:
     def dispatch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Start the step on every worker; the engine then runs its own part, and the sums join them."""
         self.check_alive()
+        torch.set_num_threads(self._rank_threads)
         data = pickle.dumps((input_ids, positions, meta), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 pipe.send_bytes(data)
             except OSError as e:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e}); the engine must be restarted") from e
+
+    def forward_done(self) -> None:
+        """The step's layers are done: until the next step the other ranks wait, so the LM head, sampling and the
+        scheduler here get every core the ranks share (an 8B model's LM head is 4% of its weights, read by one
+        rank alone)."""
+        torch.set_num_threads(self._all_threads)
 
     def alive(self) -> bool:
         return all(process.poll() is None for process in self.processes)
