@@ -193,6 +193,8 @@ def run_worker(args: WorkerArgs, pipe: Connection) -> None:
     try:
         torch.set_num_threads(threads_per_rank(config))
         device = rank_device(config, args.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds this rank's communicator to the current device
         engine_pid = os.getppid()
         all_reduce = AllReduce(args.store_path, args.shm_path, args.rank, config.tensor_parallel_size, device,
                                args.hidden, lambda: os.getppid() == engine_pid)

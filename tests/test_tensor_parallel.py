@@ -117,8 +117,8 @@ def test_both_ways_to_sum_give_every_rank_the_rank_order_sum(tmp_path):
     assert len({results[("chosen", rank)] for rank in range(size)}) == 1  # rank 0's verdict, taken by all
 
 
-def _greedy(model: str | None, prompts: list, size: int) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(model, tensor_parallel_size=size, **FAST_START)
+def _greedy(model: str | None, prompts: list, size: int, **engine_args) -> tuple[list[list[int]], list[list[float]]]:
+    llm = LLM(model, tensor_parallel_size=size, **{**FAST_START, **engine_args})
     try:
         outputs = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
     finally:
@@ -144,6 +144,13 @@ def test_smollm2_over_its_three_kv_heads_gives_one_process_greedy_tokens(prompt_
     """The default model's GGUF blocks, split three ways (its o_proj and down_proj inputs cut between blocks)."""
     prompts = prompt_ids[:4]
     _assert_same_greedy(_greedy(None, prompts, 1), _greedy(None, prompts, 3))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)")
+def test_two_gpus_give_one_gpus_greedy_tokens(tiny_model):
+    path, prompts = str(tiny_model("qwen3-qknorm")), [[1, 5, 9, 30, 44, 100], list(range(3, 60, 2))]
+    one, split = (_greedy(path, prompts, size, device="cuda", dtype="float32") for size in (1, 2))
+    _assert_same_greedy(one, split)
 
 
 def test_a_rank_that_died_fails_the_sums_and_the_next_step_instead_of_hanging(tiny_model):
