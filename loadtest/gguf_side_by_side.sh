@@ -3,7 +3,8 @@
 #   bash loadtest/gguf_side_by_side.sh [OUT_DIR] [FILE.gguf ...]    (default results/gguf_side_by_side; the
 #                                                                   random-weight Llama-3.2-1B as Q4_K_M and Q8_0)
 # Needs llama.cpp set up once: bash loadtest/llama_cpp_setup.sh. Env: SWEEP (default 1,16), NUM_PROMPTS (16),
-# INPUT_LEN (128), OUTPUT_LEN (128), HARPOON_ARGS. NOTE: llama-cpp-python's server takes one request at a time, so
+# INPUT_LEN (128), OUTPUT_LEN (128), HARPOON_ARGS, or HARPOON_VARIANTS: Harpoon once per variant, "label=args"
+# separated by ";" (e.g. "exact=;int8=--quantized-matmul int8"). NOTE: llama-cpp-python's server takes one request at a time, so
 # its c16 row is that server as its users have it (with --interrupt_requests False: by default a new request cuts
 # the stream in flight).
 set -euo pipefail
@@ -22,14 +23,21 @@ mkdir -p "$OUT"
 stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; sleep 3; }
 for file in "${FILES[@]}"; do
     name=$(basename "$file" .gguf)
-    # shellcheck disable=SC2086
-    setsid .venv/bin/harpoon serve --port 8000 --model "$file" --max-model-len 2048 ${HARPOON_ARGS:-} \
-        > "$OUT/$name-harpoon.log" 2>&1 &
-    pid=$!
-    trap 'kill $pid 2>/dev/null || true' EXIT
-    $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label "harpoon-$name" "${ARGS[@]}" \
-        --save "$OUT/$name-harpoon.json"
-    stop $pid
+    saved=()
+    IFS=';' read -r -a variants <<< "${HARPOON_VARIANTS:-harpoon=${HARPOON_ARGS:-}}"
+    for variant in "${variants[@]}"; do
+        label=${variant%%=*}
+        [ "$label" = harpoon ] || label=harpoon-$label
+        # shellcheck disable=SC2086
+        setsid .venv/bin/harpoon serve --port 8000 --model "$file" --max-model-len 2048 ${variant#*=} \
+            > "$OUT/$name-$label.log" 2>&1 &
+        pid=$!
+        trap 'kill $pid 2>/dev/null || true' EXIT
+        $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label "$label-$name" "${ARGS[@]}" \
+            --save "$OUT/$name-$label.json"
+        stop $pid
+        saved+=("$OUT/$name-$label.json")
+    done
     setsid $LLAMA -m llama_cpp.server --model "$file" --port 8200 --n_threads "$(nproc)" --n_ctx 2048 \
         --interrupt_requests False \
         > "$OUT/$name-llama-cpp.log" 2>&1 &
@@ -38,5 +46,5 @@ for file in "${FILES[@]}"; do
     $PY -m loadtest.serve --base-url http://127.0.0.1:8200 --label "llama-cpp-$name" "${ARGS[@]}" \
         --save "$OUT/$name-llama-cpp.json"
     stop $pid
-    $PY -m loadtest.serve --merge "$OUT/$name-harpoon.json" "$OUT/$name-llama-cpp.json" | tee "$OUT/$name.md"
+    $PY -m loadtest.serve --merge "${saved[@]}" "$OUT/$name-llama-cpp.json" | tee "$OUT/$name.md"
 done

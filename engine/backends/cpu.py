@@ -16,6 +16,7 @@ What it does with a model (``prepare``):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from engine.models.rotary import RotaryEmbedding
 from kernels import cdiv
 from kernels import cpu as cpu_kernels
 from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -52,9 +55,10 @@ class PackedLinear:
 
     packed: torch.Tensor  # [panels, K, P] in one of kernels.cpu.WEIGHT_FORMATS
     out_features: int
+    int8_activations: bool = False  # a GGUF file's blocks times int8 activations (--quantized-matmul int8)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.packed, self.out_features, bias)
+        return cpu_kernels.linear(x, self.packed, self.out_features, bias, self.int8_activations)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class CpuBackend(TorchBackend):
         self.decoder: Decoder | None = None
         self.greedy_head: ScreenedGreedyHead | None = None
         self.plan: GemmPlan | None = None
+        self.int8_activations = False
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -120,6 +125,7 @@ class CpuBackend(TorchBackend):
             dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        self.int8_activations = quantized and self._int8_activations()
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = measure_plan([m.quantized for m in projections],
                                      lambda w: partial(PackedLinear(_pack_quantized(w), w.shape[0]), bias=None),
@@ -131,7 +137,8 @@ class CpuBackend(TorchBackend):
         library = self.plan.uses_library
         for module in model.modules():
             if isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
-                module.kernel = PackedLinear(_pack_quantized(module.take_quantized()), module.out_features)
+                module.kernel = PackedLinear(_pack_quantized(module.take_quantized()), module.out_features,
+                                             self.int8_activations)
             elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
                 module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
@@ -150,7 +157,7 @@ class CpuBackend(TorchBackend):
             head = _pack_quantized(model.lm_head.take_quantized())
         else:
             head = (cpu_kernels.pack_weight_bf16c if bf16 else pack_head)(model.lm_head.release_weight())
-        model.lm_head.kernel = PackedLinear(head, vocab)
+        model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed = model.embed_tokens
@@ -169,7 +176,17 @@ class CpuBackend(TorchBackend):
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
-        self.decoder = _decoder(model) if self.config.tensor_parallel_size == 1 else None
+        self.decoder = _decoder(model, self.int8_activations) if self.config.tensor_parallel_size == 1 else None
+
+    def _int8_activations(self) -> bool:
+        """Whether a GGUF file's products take int8 activations: asked for, and this CPU has the dot products."""
+        if self.config.quantized_matmul != "int8":
+            return False
+        if not cpu_kernels.q8x_available():
+            logger.warning("--quantized-matmul int8 needs u8 x s8 dot products (AVX512-VNNI or AVX-VNNI), which this "
+                           "CPU lacks: the products stay exact")
+            return False
+        return True
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -195,7 +212,8 @@ class CpuBackend(TorchBackend):
 
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
-        return f"cpu backend (C kernels, {products} products)"
+        int8 = ", int8 activations on the GGUF blocks" if self.int8_activations else ""
+        return f"cpu backend (C kernels, {products} products{int8})"
 
 
 def _pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
@@ -227,7 +245,7 @@ def _packed(layer: Linear) -> torch.Tensor:
     return layer.kernel.packed
 
 
-def _decoder(model: LlamaForCausalLM) -> Decoder:
+def _decoder(model: LlamaForCausalLM, int8_activations: bool) -> Decoder:
     """The model's packed layers, described for the one-call C decoder."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     shape = DecoderShape(
@@ -244,4 +262,5 @@ def _decoder(model: LlamaForCausalLM) -> Decoder:
             gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
             q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
         ))
-    return Decoder(shape, layers, _detached(model.norm.weight), model.rotary.cos_cache, model.rotary.sin_cache)
+    return Decoder(shape, layers, _detached(model.norm.weight), model.rotary.cos_cache, model.rotary.sin_cache,
+                   int8_activations)

@@ -67,6 +67,7 @@ def find_compiler() -> str | None:
 
 _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
+    "hp_q8x_available": [],
     "hp_shm_sum": [_ptr, _c_int, _c_int, _c_i64, _ptr, _c_i64, _c_i64, ctypes.c_double],
     "hp_shm_sum_bytes": [_c_int, _c_i64],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -86,8 +87,8 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_bf16_native": [],
     "hp_set_bf16_emulation": [_c_int],
 }
-_RESULTS = {"hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_shm_sum": _c_int,
-            "hp_shm_sum_bytes": _c_i64}
+_RESULTS = {"hp_q8x_available": _c_int, "hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int,
+            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -156,6 +157,7 @@ WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", **blocks.BLOCK_PANEL_NAMES,
                 **blocks.K_QUANT_NAMES}
+HP_Q8X, Q8X_MAX_ROWS = 256, 16  # ops.h: the int8-activation flag on a format's code, and the most rows it takes
 # enum hp_kv_format (ops.h) of each K/V pool dtype
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -264,9 +266,18 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
     return packed.shape[1], packed.shape[0] * packed.shape[2]
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def q8x_available() -> bool:
+    """Whether this CPU multiplies block panels with int8 activations (``linear(..., int8_activations=True)``): it
+    has u8 x s8 dot products (AVX512-VNNI or AVX-VNNI)."""
+    return bool(_library().hp_q8x_available())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           int8_activations: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
-    ``pack_weight_compact(weight)``."""
+    ``pack_weight_compact(weight)``. ``int8_activations``: block panels (a GGUF file's) multiply ``x`` rounded to
+    int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` and M <= ``Q8X_MAX_ROWS`` (not exact: see
+    ops.c); other calls ignore it."""
     x = _rows(x, "x")
     m, k = x.shape
     in_features, columns = packed_geometry(packed)
@@ -275,8 +286,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     y = torch.empty(m, out_features, dtype=torch.float32)
     b = 0 if bias is None else bias.contiguous().data_ptr()
     if m:
-        _library().hp_linear_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(), b,
-                                    y.data_ptr(), out_features, m, out_features, k)
+        fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0)
+        _library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features,
+                                    m, out_features, k)
     return y
 
 

@@ -13,7 +13,18 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels.cpu import WEIGHT_FORMATS, _c_float, _c_i64, _c_int, _check, _library, _ptr, kv_format, packed_geometry
+from kernels.cpu import (
+    HP_Q8X,
+    WEIGHT_FORMATS,
+    _c_float,
+    _c_i64,
+    _c_int,
+    _check,
+    _library,
+    _ptr,
+    kv_format,
+    packed_geometry,
+)
 
 
 @dataclass
@@ -88,6 +99,7 @@ class Decoder:
         final_norm: torch.Tensor,
         cos_cache: torch.Tensor,  # [max_position, head_dim]
         sin_cache: torch.Tensor,
+        int8_activations: bool = False,  # block panels multiply int8 activations (cpu.linear's flag)
     ) -> None:
         s = shape
         if s.head_dim % 8 or s.num_heads % s.num_kv_heads:
@@ -120,7 +132,8 @@ class Decoder:
                         raise ValueError(f"{name}: expected contiguous packed panels, got {t.dtype}")
                     if t.dim() != 3 or packed_geometry(t)[0] != k or packed_geometry(t)[1] < n:
                         raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
-                    setattr(self._layers[i], f"{f.name}_format", WEIGHT_FORMATS[t.dtype])
+                    setattr(self._layers[i], f"{f.name}_format",
+                            WEIGHT_FORMATS[t.dtype] | (HP_Q8X if int8_activations else 0))
                 else:
                     _contiguous(t, name)
                     if tuple(t.shape) != expected[f.name]:

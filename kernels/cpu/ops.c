@@ -25,6 +25,23 @@
 #define HP_NATIVE_BF16 0
 #endif
 
+/* u8 x s8 dot products, four a 32-bit lane (the Q8X products, below) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HP_DOT_U8S8 1
+static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) {
+    return (v8i)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
+}
+#elif defined(__AVXVNNI__)
+#define HP_DOT_U8S8 1
+static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) {
+    return (v8i)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
+}
+#else
+#define HP_DOT_U8S8 0
+static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) { (void)u, (void)s; return acc; } /* never called */
+#endif
+int hp_q8x_available(void) { return HP_DOT_U8S8; }
+
 static inline v8f load8(const float *p) { return *(const v8f *)p; }
 static inline void store8(float *p, v8f v) { *(v8f *)p = v; } /* unaligned, straight from the register */
 
@@ -650,8 +667,19 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
+static void linear_q8x(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                       int64_t ldy, int M, int N, int K);
+
 void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                       int64_t ldy, int M, int N, int K) {
+    if (format & HP_Q8X) { /* int8 activations where asked, the format a block format and the CPU able */
+        format &= ~HP_Q8X;
+        if (HP_DOT_U8S8 && M <= Q8X_MAX_ROWS && format != HP_F32 && format != HP_I8 && format != HP_BF16 &&
+            format != HP_BF16C) {
+            linear_q8x(format, x, ldx, packed, bias, y, ldy, M, N, K);
+            return;
+        }
+    }
     if (format == HP_Q4) {
         LINEAR_LOOP(bias, 0, Q4_PANELS)
     } else if (format == HP_Q8) {
@@ -672,6 +700,180 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
     } else {
         hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
+    }
+}
+
+/* ---- Q8X: block panels times activations rounded to int8, as llama.cpp multiplies a GGUF file ------------------
+ * Opt-in (HP_Q8X on the format; EngineConfig.quantized_matmul = "int8"). Each call rounds its rows to int8 per 32 k
+ * (d = max |x| / 127, q = round(x / d)) and multiplies each 32 k of a block panel as integers: vpdpbusd sums four
+ * u8 x s8 products a 32-bit lane. Nibble weights (Q4, Q4K) are unsigned as they are; byte weights are signed, made
+ * unsigned by q ^ 0x80 (q + 128), and 128 Σ qx is taken back off. Per 16 k (the finest scales, Q6K's and Q6M's):
+ *     c += d_w d_x (Σ u qx - offset Σ qx) + m_w d_x Σ qx
+ * Not exact: the activations' rounding (at most half a step of max |x| / 127 per value of each 32) shows in the
+ * products, as it does in llama.cpp's. Why: a small batch over dequantized-in-register weights is compute-bound
+ * (~6 vector ops per 8 weights); here it is ~1.5 per 32. */
+
+/* One row's activations for Q8X: per 32 k, 8 words of four int8 each (nibble formats: word 2j the even k of k
+ * 8j..8j+7, word 2j + 1 the odd, matching a nibble word's low and high nibbles; byte formats: k in order), its d,
+ * and the sums of q over each 16 k. */
+struct q8x_row {
+    const int32_t *words;
+    const float *d;
+    const int32_t *sums;
+};
+
+static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nibbles, int32_t *words, float *d,
+                              int32_t *sums) {
+    const int blocks = K / Q8_GROUP;
+#pragma omp parallel for schedule(static) if ((int64_t)M * K >= 65536)
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + m * ldx + b * Q8_GROUP;
+            float amax = 0.0f;
+            for (int k = 0; k < Q8_GROUP; k++) amax = fmaxf(amax, fabsf(xb[k]));
+            const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+            int8_t q[Q8_GROUP];
+            int32_t s0 = 0, s1 = 0;
+            for (int k = 0; k < Q8_GROUP; k++) {
+                long r = lrintf(xb[k] * inv);
+                q[k] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+                if (k < Q8_GROUP / 2) s0 += q[k]; else s1 += q[k];
+            }
+            int8_t *out = (int8_t *)(words + ((int64_t)m * blocks + b) * 8);
+            for (int k = 0; k < Q8_GROUP; k++) /* nibble order: k = 8 j + 2 i + o goes to word 2 j + o, byte i */
+                out[nibbles ? (k / 8 * 2 + k % 2) * 4 + k % 8 / 2 : k] = q[k];
+            d[(int64_t)m * blocks + b] = db;
+            sums[((int64_t)m * blocks + b) * 2] = s0;
+            sums[((int64_t)m * blocks + b) * 2 + 1] = s1;
+        }
+}
+
+/* y[rows, cols] (+)= the rows' int8 activations . one panel slice (kc x NR) from block b0 on: the store / add / bias
+ * steps of micro_kernel. */
+static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, const struct q8x_row *a, int b0,
+                                                                   const void *panel, int kc, float *y, int64_t ldy,
+                                                                   int cols, const float *bias, int first,
+                                                                   int format) {
+    const int nibbles = block_nibbles(format);
+    const v8i offset_bits = splat8i(nibbles ? 0 : (int)0x80808080);
+    const v8f offset = splat8(nibbles ? 0.0f : 128.0f);
+    v8f c[MR][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
+    for (int k = 0; k < kc; k += Q8_GROUP) {
+        const int b = b0 + k / Q8_GROUP;
+        const v8iu *words = 0;
+        v8f d[2][NV], m[2][NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) words = block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            v8i acc[MR][NV];
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) { /* activation word 4 h + t */
+                v8i u[NV];
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    if (nibbles) { /* nibble word 2 h + t / 2: its low nibbles (even k), then its high (odd k) */
+                        v8i w = words[(2 * h + t / 2) * NV + v];
+                        u[v] = (t % 2 ? w >> 4 : w) & splat8i(0x0f0f0f0f);
+                    } else {
+                        u[v] = words[(4 * h + t) * NV + v] ^ offset_bits;
+                    }
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    if (i >= rows) break;
+                    const v8i xq = splat8i(a[i].words[(int64_t)b * 8 + 4 * h + t]);
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) acc[i][v] = dot_u8s8(acc[i][v], u[v], xq);
+                }
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                if (i >= rows) break;
+                const float dx = a[i].d[b], sum = (float)a[i].sums[2 * b + h];
+                const v8f dsum = splat8(dx * sum);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    v8f dot = __builtin_convertvector(acc[i][v], v8f) - offset * sum; /* exact: |.| < 2^24 */
+                    c[i][v] += d[h][v] * (dot * dx) + m[h][v] * dsum;
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        if (i >= rows) break;
+        float *yi = y + i * ldy;
+        if (cols == NR && !bias) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) store8(yi + 8 * v, first ? c[i][v] : load8(yi + 8 * v) + c[i][v]);
+        } else {
+            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* Panel p of a Q8X product, every k block, MR rows at a time; ``format`` constant per instance. */
+static inline __attribute__((always_inline)) void panel_product_q8x(int p, int M, const struct q8x_row *rows,
+                                                                    const void *packed, const float *bias, float *y,
+                                                                    int64_t ldy, int N, int K, int format) {
+    const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
+        const int kc = K - k0 < KC ? K - k0 : KC, last = k0 + KC >= K;
+        const float *b = bias && last ? bias + n0 : 0;
+        for (int m = 0; m < M; m += MR) {
+            float *ym = y + m * ldy + n0;
+            switch (M - m < MR ? M - m : MR) {
+#define ROWS(r) \
+    case r: micro_kernel_q8x(r, rows + m, k0 / Q8_GROUP, panel, kc, ym, ldy, cols, b, k0 == 0, format); break;
+                ROWS(1) ROWS(2) ROWS(3)
+#undef ROWS
+            default: micro_kernel_q8x(MR, rows + m, k0 / Q8_GROUP, panel, kc, ym, ldy, cols, b, k0 == 0, format);
+            }
+        }
+    }
+}
+
+#define Q8X_LOOP(format)                                                                                              \
+    _Pragma("omp parallel for schedule(dynamic, chunk)") for (int p = 0; p < (N + NR - 1) / NR; p++)                 \
+        panel_product_q8x(p, M, rows, packed, bias, y, ldy, N, K, format);
+
+/* hp_linear_packed for a block format with HP_Q8X and at most Q8X_MAX_ROWS rows. The int8 rows live in a buffer
+ * of the calling thread, grown as needed and kept. */
+static void linear_q8x(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                       int64_t ldy, int M, int N, int K) {
+    static __thread char *buffer = 0;
+    static __thread int64_t buffer_size = 0;
+    const int64_t blocks = K / Q8_GROUP, need = (int64_t)M * blocks * (8 * 4 + 4 + 2 * 4);
+    if (need > buffer_size) {
+        free(buffer);
+        buffer_size = need;
+        buffer = (char *)malloc(buffer_size);
+    }
+    int32_t *words = (int32_t *)buffer, *sums = words + M * blocks * 8;
+    float *d = (float *)(sums + M * blocks * 2);
+    quantize_rows_q8x(x, ldx, M, K, block_nibbles(format), words, d, sums);
+    struct q8x_row rows[Q8X_MAX_ROWS];
+    for (int m = 0; m < M; m++)
+        rows[m] = (struct q8x_row){words + m * blocks * 8, d + m * blocks, sums + m * blocks * 2};
+    const int chunk = panels_per_task(M, N);
+    switch (format) {
+    case HP_Q4: Q8X_LOOP(Q4_PANELS) break;
+    case HP_Q8: Q8X_LOOP(Q8_PANELS) break;
+    case HP_Q5: Q8X_LOOP(Q5_PANELS) break;
+    case HP_Q6M: Q8X_LOOP(Q6M_PANELS) break;
+    case HP_Q4K: Q8X_LOOP(Q4K_PANELS) break;
+    case HP_Q5K: Q8X_LOOP(Q5K_PANELS) break;
+    default: Q8X_LOOP(Q6K_PANELS) break;
     }
 }
 

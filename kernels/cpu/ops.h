@@ -9,6 +9,7 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32)));
 
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+static inline v8i splat8i(int x) { return (v8i){x, x, x, x, x, x, x, x}; }
 
 /* Lanes of a where mask is set (all ones), of b elsewhere. */
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
@@ -21,6 +22,12 @@ enum hp_weight_format {
     HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6M = 8, HP_Q4K = 9,
     HP_Q5K = 10, HP_Q6K = 11
 };
+
+/* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
+ * has u8 x s8 dot products (hp_q8x_available) and the call has at most Q8X_MAX_ROWS rows. */
+#define HP_Q8X 256
+#define Q8X_MAX_ROWS 16
+int hp_q8x_available(void);
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
