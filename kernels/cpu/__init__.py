@@ -157,7 +157,7 @@ WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", **blocks.BLOCK_PANEL_NAMES,
                 **blocks.K_QUANT_NAMES}
-HP_Q8X, Q8X_MAX_ROWS = 256, 16  # ops.h: the int8-activation flag on a format's code, and the most rows it takes
+HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -276,8 +276,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
            int8_activations: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
     ``pack_weight_compact(weight)``. ``int8_activations``: block panels (a GGUF file's) multiply ``x`` rounded to
-    int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` and M <= ``Q8X_MAX_ROWS`` (not exact: see
-    ops.c); other calls ignore it."""
+    int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` (not exact: see ops.c); other panels ignore
+    it."""
     x = _rows(x, "x")
     m, k = x.shape
     in_features, columns = packed_geometry(packed)

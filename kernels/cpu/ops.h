@@ -24,9 +24,8 @@ enum hp_weight_format {
 };
 
 /* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
- * has u8 x s8 dot products (hp_q8x_available) and the call has at most Q8X_MAX_ROWS rows. */
+ * has u8 x s8 dot products (hp_q8x_available). */
 #define HP_Q8X 256
-#define Q8X_MAX_ROWS 16
 int hp_q8x_available(void);
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
