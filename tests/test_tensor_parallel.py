@@ -18,6 +18,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import SHM_SLOT_ROWS, AllReduce, Shard, make_shm_segment
 from kernels import cpu
+from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
 
@@ -117,10 +118,11 @@ def test_both_ways_to_sum_give_every_rank_the_rank_order_sum(tmp_path):
     assert len({results[("chosen", rank)] for rank in range(size)}) == 1  # rank 0's verdict, taken by all
 
 
-def _greedy(model: str | None, prompts: list, size: int, **engine_args) -> tuple[list[list[int]], list[list[float]]]:
+def _greedy(model: str | None, prompts: list, size: int, params: SamplingParams = GREEDY,
+            **engine_args) -> tuple[list[list[int]], list[list[float]]]:
     llm = LLM(model, tensor_parallel_size=size, **{**FAST_START, **engine_args})
     try:
-        outputs = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
     finally:
         llm.engine.close()
     return [o.token_ids for o in outputs], [[next(iter(p.values())).logprob for p in o.logprobs] for o in outputs]
@@ -140,10 +142,12 @@ def test_two_ranks_give_one_process_greedy_tokens(tiny_model, kind):
     _assert_same_greedy(_greedy(path, prompts, 1), _greedy(path, prompts, 2))
 
 
-def test_smollm2_over_its_three_kv_heads_gives_one_process_greedy_tokens(prompt_ids):
-    """The default model's GGUF blocks, split three ways (its o_proj and down_proj inputs cut between blocks)."""
+def test_smollm2_over_its_three_kv_heads_gives_transformers_greedy_tokens(prompt_ids, hf_smollm2):
+    """The default model's GGUF blocks, split three ways (its o_proj and down_proj inputs cut between blocks). One
+    process's tokens are transformers' (test_smollm2_greedy.py), so these are one process's too."""
     prompts = prompt_ids[:4]
-    _assert_same_greedy(_greedy(None, prompts, 1), _greedy(None, prompts, 3))
+    tokens, _ = _greedy(None, prompts, 3, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    assert tokens == [hf_greedy(hf_smollm2, p, 12) for p in prompts]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)")
