@@ -270,6 +270,18 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
                                                                    "WORKTREE (bfloat16 pool)"]
 
 
+def test_int8_gemm_lab_times_both_ways_per_type_and_row_count(capsys):
+    from kernels import cpu
+    from loadtest.lab.int8_gemm import TYPES
+    from loadtest.lab.int8_gemm import main as int8_main
+
+    if not cpu.available() or not cpu.q8x_available():
+        pytest.skip("needs the C kernels and u8 x s8 dot products")
+    int8_main(["--rows", "1,5", "--shape", "96x512", "--rounds", "1"])
+    rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [(t.strip(), r.strip()) for t, r in rows] == [(t, r) for t in TYPES for r in ("1", "5")]
+
+
 def test_gemm_lab_prints_every_candidate_per_shape_and_batch(capsys):
     from loadtest.lab.gemm import main as gemm_main
 

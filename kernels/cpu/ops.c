@@ -829,16 +829,11 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
         const int kc = K - k0 < KC ? K - k0 : KC, last = k0 + KC >= K;
         const float *b = bias && last ? bias + n0 : 0;
-        for (int m = m0; m < m1; m += MR) {
-            float *ym = y + m * ldy + n0;
-            switch (m1 - m < MR ? m1 - m : MR) {
-#define ROWS(r) \
-    case r: micro_kernel_q8x(r, rows + m, k0 / Q8_GROUP, panel, kc, ym, ldy, cols, b, k0 == 0, format); break;
-                ROWS(1) ROWS(2) ROWS(3)
-#undef ROWS
-            default: micro_kernel_q8x(MR, rows + m, k0 / Q8_GROUP, panel, kc, ym, ldy, cols, b, k0 == 0, format);
-            }
-        }
+        /* NOTE: one body per format, the row count a runtime bound: a body per row count as well (28 in all) had
+         * added 5 s to every build of the library for no measurable speed. */
+        for (int m = m0; m < m1; m += MR)
+            micro_kernel_q8x(m1 - m < MR ? m1 - m : MR, rows + m, k0 / Q8_GROUP, panel, kc, y + m * ldy + n0, ldy,
+                             cols, b, k0 == 0, format);
     }
 }
 

@@ -1,0 +1,88 @@
+"""What ``--quantized-matmul int8`` buys a GGUF file's products on this CPU: per block type and row count, the time
+of one product over the packed panels with exact fp32 activations against activations rounded to int8 (VNNI's
+integer dot products), the same weight, alternating. Random blocks of realistic scales (``loadtest.models``),
+written to a GGUF file and read back through gguf-py, as a served file is.
+
+    python -m loadtest.lab.int8_gemm --rows 1,4,16,64,256 --shape 8192x2048
+
+An 8192 x 2048 weight's panels (9-18 MB) sit in the L3 of the development machines between repetitions; pass a
+larger ``--shape`` to time them from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+
+from engine.backends.cpu import _pack_quantized
+from engine.gguf_weights import decode
+from engine.models.quantized import QuantizedWeight
+from kernels import cpu
+from loadtest.models import random_blocks
+
+TYPES = {"Q4_K": [Q.Q4_K], "Q6_K": [Q.Q6_K], "Q8_0": [Q.Q8_0], "Q4_K+Q6_K": [Q.Q4_K, Q.Q6_K]}
+
+
+def weights(n: int, k: int, folder: Path) -> dict[str, QuantizedWeight]:
+    """One weight [n, k] per entry of TYPES; a mix stacks half its rows of each type (Q6M panels)."""
+    rng, path = np.random.default_rng(0), folder / "weights.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for name, kinds in TYPES.items():
+        for i, kind in enumerate(kinds):
+            writer.add_tensor(f"{name}.{i}", random_blocks(rng, n // len(kinds), k, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    return {name: QuantizedWeight.cat([decode(tensors[f"{name}.{i}"]) for i in range(len(kinds))])
+            for name, kinds in TYPES.items()}
+
+
+def seconds(x: torch.Tensor, packed: torch.Tensor, n: int, int8: bool, reps: int) -> float:
+    cpu.linear(x, packed, n, int8_activations=int8)
+    start = time.perf_counter()
+    for _ in range(reps):
+        cpu.linear(x, packed, n, int8_activations=int8)
+    return (time.perf_counter() - start) / reps
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--shape", default="8192x2048", help="N x K of the weight")
+    p.add_argument("--rounds", type=int, default=5, help="alternations of the two ways; the median is printed")
+    args = p.parse_args(argv)
+    if not cpu.q8x_available():
+        raise SystemExit("this CPU has no u8 x s8 dot products (AVX512-VNNI or AVX-VNNI): the int8 path is off")
+    n, k = (int(v) for v in args.shape.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        made = weights(n, k, Path(tmp))
+    print(f"one product [rows, {k}] x [{k}, {n}], {torch.get_num_threads()} threads; ms (median of {args.rounds}), "
+          "GFLOP/s, int8 / exact speed-up")
+    print("| type | rows | exact (ms) | int8 (ms) | exact GFLOP/s | int8 GFLOP/s | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for name, weight in made.items():
+        packed = _pack_quantized(weight)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k)
+            reps = max(2, int(2e9 / (2 * rows * n * k)))  # ~1 s of products a way at ~100 GFLOP/s
+            times = {False: [], True: []}
+            for _ in range(args.rounds):
+                for int8 in (False, True):
+                    times[int8].append(seconds(x, packed, n, int8, reps))
+            exact, int8 = (float(np.median(times[w])) for w in (False, True))
+            flops = 2 * rows * n * k
+            print(f"| {name} | {rows} | {exact * 1e3:.2f} | {int8 * 1e3:.2f} | {flops / exact / 1e9:.0f} | "
+                  f"{flops / int8 / 1e9:.0f} | {exact / int8:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
