@@ -79,9 +79,8 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf_smollm2):
     assert_pool_free(llm)
 
 
-def test_prompt_logprobs_survive_chunked_prefill():
-    chunked = LLM(max_num_batched_tokens=7)
-    whole = LLM()
+def test_prompt_logprobs_survive_chunked_prefill(llm):
+    chunked, whole = LLM(max_num_batched_tokens=7), llm
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     a = chunked.generate(PROMPTS[6], params)[0].prompt_logprobs
     b = whole.generate(PROMPTS[6], params)[0].prompt_logprobs

@@ -41,6 +41,7 @@ from kernels.cpu import (
     _SOURCES,
     KV_FORMATS,
     WEIGHT_FORMATS,
+    _build,
     declare,
     find_compiler,
     pack_weight_compact,
@@ -72,6 +73,8 @@ class Shapes:
 
 def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     rev, _, flags = variant.partition(" ")
+    if rev == "WORKTREE" and not flags.strip():  # the engine's own build of these files, cached by source and CPU
+        return declare(ctypes.CDLL(str(_build(find_compiler() or "cc"))))
     src = out_dir / f"src{len(list(out_dir.iterdir()))}"
     src.mkdir()
     for path in (*_SOURCES, *_HEADERS):
