@@ -483,6 +483,18 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
     LINEAR_LOOP(bias, 0, F32_PANELS)
 }
 
+/* A micro-tile's row of accumulators into y: stored from the first k block, added after it, the bias added with the
+ * last. */
+static inline __attribute__((always_inline)) void store_tile_row(float *yi, const v8f c[NV], int cols,
+                                                                 const float *bias, int first) {
+    if (cols == NR && !bias) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) store8(yi + 8 * v, first ? c[v] : load8(yi + 8 * v) + c[v]);
+    } else {
+        for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[j / 8][j % 8] + (bias ? bias[j] : 0.0f);
+    }
+}
+
 /* ---- BF16C: a bfloat16 model's products, computed in bfloat16 ---------------------------------------------------
  * The weights are BF16 panels (two consecutive k of a column per 32-bit lane, the even k in the low half); the
  * activations are rounded to bfloat16 (nearest even) once per call, as pairs of k in 32-bit words the same way. Each
@@ -576,13 +588,7 @@ static inline __attribute__((always_inline)) void micro_kernel_bf16c(int rows, c
 #pragma GCC unroll 8
     for (int i = 0; i < MRB; i++) {
         if (i >= rows) break;
-        float *yi = y + i * ldy;
-        if (cols == NR && !bias) {
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) store8(yi + 8 * v, first ? c[i][v] : load8(yi + 8 * v) + c[i][v]);
-        } else {
-            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
-        }
+        store_tile_row(y + i * ldy, c[i], cols, bias, first);
     }
 }
 
@@ -810,13 +816,7 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         if (i >= rows) break;
-        float *yi = y + i * ldy;
-        if (cols == NR && !bias) {
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) store8(yi + 8 * v, first ? c[i][v] : load8(yi + 8 * v) + c[i][v]);
-        } else {
-            for (int j = 0; j < cols; j++) yi[j] = (first ? 0.0f : yi[j]) + c[i][j / 8][j % 8] + (bias ? bias[j] : 0.0f);
-        }
+        store_tile_row(y + i * ldy, c[i], cols, bias, first);
     }
 }
 
