@@ -146,7 +146,7 @@ class AllReduce:
         if self.shm is not None:
             self._choose(hidden)
         self.num_calls = 0
-        self.seconds = 0.0  # time spent in the sums (waiting for the slowest rank included), for the step profile
+        self.seconds = 0.0  # time in the sums, waiting for the slowest rank included (loadtest.lab.tensor_parallel)
 
     def __call__(self, tensor: torch.Tensor) -> None:
         start = time.perf_counter()
