@@ -1,9 +1,11 @@
-"""A GGUF file's tensors, read through gguf-py's memory map and decoded straight into ``QuantizedWeight`` blocks.
+"""A GGUF file's tensors, read through gguf-py's memory map and handed over as their blocks where they lie.
 
 Why: transformers reads a GGUF file by dequantizing every tensor to fp32, 7 times a Q4_K_M file's bytes, so an 8B
-file cannot load in 24 GB. Here each tensor's blocks are decoded to the row form a backend packs from (about the
-bytes of its panels), one tensor at a time, and its pages of the mapping are handed back to the kernel at once, so
-the file is never resident as a whole beside the weights (it stays in the page cache, not in this process).
+file cannot load in 24 GB. Here a block tensor is a ``FileBlocks`` over the mapping: the CPU backend packs its panels
+straight from those bytes (``kernels/cpu/gguf_pack.c``) and hands the pages back at once, so the file is never
+resident as a whole beside the weights (it stays in the page cache, not in this process). Where a backend needs the
+blocks decoded (a GPU's, or a tensor-parallel cut inside a block row), the decoders below give the row form of
+``QuantizedWeight``, one tensor at a time.
 
 Names are mapped to the Hugging Face names ``LlamaForCausalLM.load_weights`` takes, and the q/k rows of the
 ``llama`` architecture are put back in Hugging Face's order (llama.cpp's converter interleaves each head's two
@@ -17,13 +19,14 @@ import mmap
 import re
 import warnings
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import Q4_K
 
-from engine.models.quantized import QuantizedWeight
+from engine.models.quantized import FileBlocks, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 Q = GGMLQuantizationType
@@ -140,16 +143,29 @@ _DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0:
 
 def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
     """A tensor of the file: dense types as a new tensor of their dtype, block types as a ``QuantizedWeight``."""
+    found = read(tensor)
+    return found.decoded() if isinstance(found, FileBlocks) else found
+
+
+def read(tensor: ReaderTensor, mapped: bool = False) -> FileBlocks | torch.Tensor:
+    """A tensor of the file: dense types as a new tensor of their dtype, block types as ``FileBlocks`` over the
+    file's bytes (nothing decoded yet). ``mapped``: the reader's data is the file's memory map."""
     kind = tensor.tensor_type
     shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest-moving dimension first
     if kind in DENSE:
         return _u8(np.asarray(tensor.data)).clone().view(DENSE[kind]).reshape(shape)
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
+    if kind not in _DECODERS:
         raise ValueError(f"{tensor.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
     rows, cols = shape
-    blocks = _u8(np.asarray(tensor.data)).reshape(rows * cols // _block_size(kind), -1)
-    name, q, d, m, sub = decoder(blocks)
+    raw = _u8(np.asarray(tensor.data)).reshape(rows, -1)
+    return FileBlocks(kind.name, int(kind), cols, (raw,), torch.zeros(rows, dtype=torch.int64), torch.arange(rows),
+                      partial(decode_rows, kind, cols), mapped)
+
+
+def decode_rows(kind: GGMLQuantizationType, cols: int, raw: torch.Tensor) -> QuantizedWeight:
+    """Rows of a tensor's blocks (uint8 [rows, bytes a row]) as a ``QuantizedWeight``."""
+    rows = raw.shape[0]
+    name, q, d, m, sub = _DECODERS[kind](raw.reshape(rows * cols // _block_size(kind), -1))
     # per block [blocks, n, *rest] -> per row [rows, blocks a row x n, *rest]
     by_row = lambda t: None if t is None else t.reshape(rows, -1, *t.shape[2:]).contiguous()  # noqa: E731
     return QuantizedWeight(name, by_row(q), by_row(d), by_row(m), kind.name, by_row(sub))
@@ -168,8 +184,9 @@ def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int
-                      ) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
-    """(Hugging Face name, weight) for every weight of the file, decoded one at a time."""
+                      ) -> Iterator[tuple[str, FileBlocks | torch.Tensor]]:
+    """(Hugging Face name, weight) for every weight of the file: block types as ``FileBlocks`` over the file's
+    memory map (a backend packs them from there), dense types read as tensors."""
     reader = GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     mapping = getattr(reader.data, "_mmap", None)
@@ -179,12 +196,13 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a {arch} model")
-        weight = decode(tensor)
+        weight = read(tensor, mapped=mapping is not None)
         if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
             order = unpermute_rows(weight.shape[0], heads)
-            weight = weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order]
-        _release(mapping, tensor)
+            weight = weight.rows(order) if isinstance(weight, FileBlocks) else weight[order]
+        if isinstance(weight, torch.Tensor):  # read whole: its pages are done with
+            _release(mapping, tensor)
         yield name, weight
 
 

@@ -27,7 +27,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.models.llama import head_dim_of, num_kv_heads_of
-from engine.models.quantized import QuantizedWeight
+from engine.models.quantized import Blocks
 from kernels import cpu as cpu_kernels
 
 # A collective that waits longer than this on a peer raises instead of hanging: a rank that stopped without closing
@@ -75,19 +75,19 @@ class Shard:
         return config
 
     def weights(
-        self, weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
-    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        self, weights: Iterator[tuple[str, torch.Tensor | Blocks]]
+    ) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
         """A checkpoint's tensors (Hugging Face names) cut to this rank's part; the replicated ones whole."""
         for name, tensor in weights:
             parts = name.split(".")
             layer = parts[-2] if len(parts) >= 2 else ""
             if layer in _ROW_SPLIT:
                 start, stop = self._output_rows(layer)
-                yield name, tensor.rows(slice(start, stop)) if isinstance(tensor, QuantizedWeight) \
+                yield name, tensor.rows(slice(start, stop)) if not isinstance(tensor, torch.Tensor) \
                     else tensor[start:stop]
             elif layer in _INPUT_SPLIT and parts[-1] == "weight":
                 start, stop = self._input_columns(layer)
-                yield name, tensor.columns(start, stop) if isinstance(tensor, QuantizedWeight) \
+                yield name, tensor.columns(start, stop) if not isinstance(tensor, torch.Tensor) \
                     else tensor[:, start:stop]
             else:  # embeddings, norms, the LM head, and o/down biases (added once, after the sum)
                 yield name, tensor

@@ -11,8 +11,8 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from engine.gguf_weights import decode, hf_name, unpermute_rows
-from engine.models.quantized import QuantizedWeight
+from engine.gguf_weights import decode, hf_name, read, unpermute_rows
+from engine.models.quantized import FileBlocks, QuantizedWeight, stack
 from kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
@@ -151,6 +151,30 @@ def test_a_weight_packed_a_chunk_of_panels_at_a_time_gives_the_same_panels(gguf_
         monkeypatch.setattr(cpu_backend, "PACK_CHUNK_PANELS", 1)  # 40 rows: panels of 24 and 16 (padded) rows
         assert torch.equal(cpu_backend._pack_quantized(weight), whole)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", list(F16_AT), ids=lambda k: k.name)
+def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gguf_tensors, kind):
+    """``gguf_pack.c`` writes the panels from the mapped blocks; rows reordered and stacked (q/k unpermuted, q/k/v
+    fused) are only addresses. Both ways give the same bytes, padding columns included."""
+    blocks = read(gguf_tensors[kind.name])
+    assert isinstance(blocks, FileBlocks) and blocks.shape == (40, 512)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    for weight in (blocks, blocks.rows(order), blocks.rows(slice(0, 7)), FileBlocks.cat([blocks.rows(order), blocks])):
+        decoded = weight.decoded()
+        reference = cpu.pack_blocks(decoded.kind, decoded.values(), decoded.d, decoded.m, decoded.sub)
+        ours = cpu.pack_gguf_rows(weight.type_id, weight.addresses(), weight.in_features)
+        assert ours.dtype == reference.dtype and torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
+    assert torch.equal(blocks.rows(order).decoded().dequantize(), decode(gguf_tensors[kind.name]).dequantize()[order])
+
+
+def test_blocks_of_two_types_are_decoded_to_stack_them(gguf_tensors):
+    same = stack([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q4_K"]).rows(slice(0, 8))])
+    assert isinstance(same, FileBlocks) and same.shape == (48, 512)
+    mixed = stack([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q6_K"])])
+    assert isinstance(mixed, QuantizedWeight) and mixed.kind == "q6m"
+    with pytest.raises(ValueError, match="cannot stack"):
+        FileBlocks.cat([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q6_K"])])
 
 
 def test_a_fused_projection_of_mixed_types_keeps_every_rows_values(gguf_tensors):

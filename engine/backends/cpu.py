@@ -29,6 +29,7 @@ from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, measure_plan
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
+from engine.models.quantized import FileBlocks
 from engine.models.rotary import RotaryEmbedding
 from kernels import cdiv
 from kernels import cpu as cpu_kernels
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
-    from engine.models.quantized import QuantizedWeight
+    from engine.models.quantized import Blocks
 
 # NOTE: the C decoder attends each prompt token separately, reading its whole prefix (the flash kernel of torch's
 # SDPA reuses each K/V row across a tile of queries), so its attention grows with chunk x context. Chunks of up to
@@ -216,11 +217,15 @@ class CpuBackend(TorchBackend):
         return f"cpu backend (C kernels, {products} products{int8})"
 
 
-def _pack_quantized(weight: QuantizedWeight) -> torch.Tensor:
+def _pack_quantized(weight: Blocks) -> torch.Tensor:
     """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
-    the fp32 panels of their dequantized values. Packed PACK_CHUNK_PANELS panels at a time into the result: the
-    copies packing makes stay ~100 MB even for an 8B model's LM head (a whole 525M-weight head at once had raised
-    the load's peak by ~2 GB)."""
+    the fp32 panels of their dequantized values: straight from the file's bytes where they still are (its pages
+    handed back after), else from the decoded blocks, PACK_CHUNK_PANELS panels at a time into the result (the
+    copies packing makes stay ~100 MB even for an 8B model's LM head)."""
+    if isinstance(weight, FileBlocks):
+        packed = cpu_kernels.pack_gguf_rows(weight.type_id, weight.addresses(), weight.in_features)
+        weight.release()
+        return packed
     width, rows = cpu_kernels.panel_width(), weight.shape[0]
     out = None
     for start in range(0, rows, PACK_CHUNK_PANELS * width):

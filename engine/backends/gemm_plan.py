@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.models.quantized import QuantizedWeight
+    from engine.models.quantized import Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 1024 * 2048 * 2048 / seconds_per_call(lambda: a @ b, budget_s=0.03) / 1e9
 
 
-def measure_plan(weights: list[torch.Tensor | QuantizedWeight], c_kernel: Callable[[torch.Tensor], Callable],
+def measure_plan(weights: list[torch.Tensor | Blocks], c_kernel: Callable[[torch.Tensor], Callable],
                  dtype: torch.dtype, family: str = "auto") -> GemmPlan:
     """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
     ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes

@@ -4,8 +4,8 @@ A backend that packs weights for its own kernels (``engine/backends``) hands eac
 weight's original layout, so the model's weights are held once either way; without one, the layer is plain torch.
 
 Their weights start on the meta device: they are always loaded next (``LlamaForCausalLM.load_weights``), either into
-a tensor made then or as a ``QuantizedWeight`` that leaves ``weight`` empty, so no random initialization is spent
-and no dense weight is ever made for a quantized one.
+a tensor made then or as a GGUF file's blocks (``Blocks``) that leave ``weight`` empty, so no random initialization
+is spent and no dense weight is ever made for a quantized one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.quantized import QuantizedWeight
+from engine.models.quantized import Blocks
 
 # (x [M, in], bias or None) -> [M, out]: a product over weights a backend packed for its kernels
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -28,7 +28,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose product a backend can take over (``kernel``), its weight dense or ``quantized``."""
 
     kernel: LinearKernel | None = None
-    quantized: QuantizedWeight | None = None  # a GGUF file's blocks, until a backend packs or dequantizes them
+    quantized: Blocks | None = None  # a GGUF file's blocks, until a backend packs or dequantizes them
     # A tensor-parallel rank's input-split projection (engine/tensor_parallel.py): its product is a partial sum,
     # summed in place across the ranks before the bias is added once.
     all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(weight.new_empty(0, self.in_features), requires_grad=False)
         return weight
 
-    def take_quantized(self) -> QuantizedWeight:
+    def take_quantized(self) -> Blocks:
         """The quantized weight, for a backend to pack; the layer keeps only an empty placeholder."""
         weight, self.quantized = self.quantized, None
         self.weight = nn.Parameter(torch.empty(0, self.in_features, dtype=self.weight.dtype), requires_grad=False)
@@ -62,7 +62,7 @@ class VocabEmbedding(nn.Embedding):
     """``nn.Embedding`` whose lookups a backend can take over (``kernel``), e.g. from an LM head's packed panels."""
 
     kernel: EmbeddingKernel | None = None
-    quantized: QuantizedWeight | None = None
+    quantized: Blocks | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim, device="meta")

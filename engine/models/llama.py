@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.linear import Linear, VocabEmbedding
-from engine.models.quantized import QuantizedWeight
+from engine.models.quantized import Blocks, stack
 from engine.models.rotary import RotaryEmbedding
 
 # (num_heads, num_kv_heads, head_dim, scale) -> the attention a backend runs over the paged pool
@@ -215,13 +215,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Blocks]]) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing.
-        A ``QuantizedWeight`` (a GGUF file's blocks) is kept as its layer's ``quantized``, the shards of a fused
-        layer stacked once all have come."""
+        A GGUF file's blocks (``FileBlocks``, or a decoded ``QuantizedWeight``) are kept as the layer's ``quantized``,
+        the shards of a fused layer stacked once all have come."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        pending: dict[str, dict[int, QuantizedWeight]] = {}  # fused layer -> its quantized shards so far
+        pending: dict[str, dict[int, Blocks]] = {}  # fused layer -> its quantized shards so far
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -233,12 +233,11 @@ class LlamaForCausalLM(nn.Module):
                 target, shard = fused
                 name = ".".join([*parts[:-2], target, parts[-1]])
                 loaded.add(f"{name}#{shard}")
-                if isinstance(tensor, QuantizedWeight):
+                if not isinstance(tensor, torch.Tensor):
                     shards = pending.setdefault(name, {})
                     shards[shard] = tensor
                     if len(shards) == {"qkv_proj": 3, "gate_up_proj": 2}[target]:
-                        modules[name.rpartition(".")[0]].quantized = QuantizedWeight.cat(
-                            [shards[i] for i in sorted(shards)])
+                        modules[name.rpartition(".")[0]].quantized = stack([shards[i] for i in sorted(shards)])
                         del pending[name]
                     continue
                 offset = self._shard_offset(target, shard)
@@ -246,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            if isinstance(tensor, QuantizedWeight):
+            if not isinstance(tensor, torch.Tensor):
                 modules[name.rpartition(".")[0]].quantized = tensor
             else:
                 self._materialized(params, name).data.copy_(tensor)

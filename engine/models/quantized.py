@@ -12,6 +12,9 @@ the products), which spares 0.16 bytes a weight over the per-32 forms.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +94,9 @@ class QuantizedWeight:
             w = w + self.m.view(*q.shape[:-1], 1)
         return w.reshape(n, k).to(dtype)
 
+    def decoded(self) -> QuantizedWeight:
+        return self
+
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight of rows ``index`` (a reordering or a slice of the outputs)."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
@@ -150,3 +156,96 @@ class QuantizedWeight:
         d = self.d.repeat_interleave(per, dim=1) * self.sub[..., 0].float()
         m = -(self.m.repeat_interleave(per, dim=1) * self.sub[..., 1].float())
         return QuantizedWeight(_K_QUANTS[self.kind], self.q, d, m, self.ggml_type)
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """A weight's blocks still in a file's bytes (read-only views of its memory map), its rows in any order and from
+    any of the views: what a backend packs straight from (``kernels.cpu.pack_gguf_rows``), or decodes into a
+    ``QuantizedWeight`` where it needs one (``decoded``).
+
+    Why: decoding every tensor as it is read, and packing the decoded rows after, took ~30 s for an 8B Q4_K_M file
+    and held two copies of its largest tensor at once. Held like this, a weight costs nothing until it is packed,
+    reordering its rows (llama.cpp's q/k interleave undone) or fusing q/k/v costs a list of row numbers, and its
+    pages of the mapping are handed back once it is packed (``release``)."""
+
+    ggml_type: str  # the file's type name, for messages
+    type_id: int  # ggml's type number
+    in_features: int
+    sources: tuple[torch.Tensor, ...]  # uint8 [rows, bytes a row] each: a tensor of the file
+    source: torch.Tensor  # int64 [N]: the view each output row is in
+    row: torch.Tensor  # int64 [N]: its row there
+    decoder: Callable[[torch.Tensor], QuantizedWeight]  # rows' bytes [n, bytes a row] -> their QuantizedWeight
+    mapped: bool = False  # the views are of a file's read-only mapping, whose pages ``release`` may drop
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.row.shape[0], self.in_features
+
+    def addresses(self) -> torch.Tensor:
+        """Where each output row's first block lies in memory: int64 [N]."""
+        starts = torch.tensor([t.data_ptr() for t in self.sources], dtype=torch.int64)
+        strides = torch.tensor([t.stride(0) for t in self.sources], dtype=torch.int64)
+        return starts[self.source] + self.row * strides[self.source]
+
+    def rows(self, index: torch.Tensor | slice) -> FileBlocks:
+        return FileBlocks(self.ggml_type, self.type_id, self.in_features, self.sources, self.source[index],
+                          self.row[index], self.decoder, self.mapped)
+
+    @staticmethod
+    def cat(parts: list[FileBlocks]) -> FileBlocks:
+        """The weights stacked along the outputs; one type and width."""
+        first = parts[0]
+        if any(p.type_id != first.type_id or p.in_features != first.in_features for p in parts):
+            raise ValueError(f"cannot stack {[p.ggml_type for p in parts]} rows as one type")
+        sources: list[torch.Tensor] = []
+        source = []
+        for p in parts:
+            source.append(p.source + len(sources))
+            sources.extend(p.sources)
+        return FileBlocks(first.ggml_type, first.type_id, first.in_features, tuple(sources), torch.cat(source),
+                          torch.cat([p.row for p in parts]), first.decoder, all(p.mapped for p in parts))
+
+    def decoded(self) -> QuantizedWeight:
+        raw = torch.empty(self.shape[0], self.sources[0].shape[1], dtype=torch.uint8)
+        for i, t in enumerate(self.sources):
+            at = (self.source == i).nonzero().squeeze(1)
+            raw[at] = t[self.row[at]]
+        return self.decoder(raw)
+
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        return self.decoded().columns(start, stop)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decoded().dequantize(dtype)
+
+    def release(self) -> None:
+        """Hand this process's pages of the views back (the page cache keeps them), once the weight is packed: the
+        file is then never resident as a whole beside the packed weights. Nothing where the views are not of a
+        file's mapping (dropping other memory's pages would zero it)."""
+        if self.mapped:
+            for t in self.sources:
+                _drop_pages(t.data_ptr(), t.numel())
+
+
+Blocks = QuantizedWeight | FileBlocks  # a GGUF file's weight, decoded or not
+
+
+def stack(parts: list[Blocks]) -> Blocks:
+    """A fused projection's shards stacked: still in the file where all are one type, else decoded and stacked in
+    a kind wide enough for each (``QuantizedWeight.cat``)."""
+    if all(isinstance(p, FileBlocks) for p in parts) and len({p.type_id for p in parts}) == 1:
+        return FileBlocks.cat(parts)
+    return QuantizedWeight.cat([p.decoded() if isinstance(p, FileBlocks) else p for p in parts])
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _drop_pages(address: int, size: int) -> None:
+    """madvise(MADV_DONTNEED) over the pages wholly inside [address, address + size) of a file's read-only mapping:
+    they are read again from the page cache if touched. Advice only, so errors pass."""
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + size) // page * page
+    if hasattr(mmap, "MADV_DONTNEED") and end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)

@@ -1,6 +1,6 @@
 """fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step; ``blocks.c`` finds the
-4- and 8-bit blocks of weights at load; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on
-first use with the host's C compiler and loaded with ctypes.
+4- and 8-bit blocks of weights at load; ``gguf_pack.c`` packs a GGUF file's blocks into panels; ``shm_sum.c`` sums
+a tensor across tensor-parallel ranks), compiled on first use with the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -26,7 +26,8 @@ import torch
 from kernels import cdiv
 from kernels.cpu import blocks
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.c", "decoder.c", "blocks.c", "shm_sum.c"))
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("ops.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
@@ -83,12 +84,13 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
+    "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_bf16_native": [],
     "hp_set_bf16_emulation": [_c_int],
 }
 _RESULTS = {"hp_q8x_available": _c_int, "hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int,
-            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64}
+            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64, "hp_pack_gguf": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -196,6 +198,30 @@ def pack_blocks(kind: str, values: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     if kind == "q6m":
         return blocks.pack_bytes(kind, [d[:, 0::2], d[:, 1::2], m[:, 0::2], m[:, 1::2]], values, width)
     return blocks.pack_bytes(kind, [d] if m is None else [d, m], values, width)
+
+
+def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Panels of a GGUF file's blocks read where they lie (``gguf_pack.c``): ``rows`` [N] int64, the address of each
+    output row's first block (ggml type ``ggml_type``, ``in_features`` inputs a row), in a mapping that outlives the
+    call. The same panels as ``pack_blocks`` of the decoded blocks."""
+    dtype = blocks.GGUF_PANEL_DTYPES.get(ggml_type)
+    if dtype is None:
+        raise ValueError(f"ggml type {ggml_type} has no panel format")
+    rows = rows.to(torch.int64).contiguous()
+    width, n = panel_width(), rows.shape[0]
+    if dtype in blocks.K_QUANT_NAMES:
+        per, block_bytes = blocks.SUPER, blocks.k_quant_block_bytes(dtype, width)
+    else:
+        scales = 2 if dtype == torch.uint8 else blocks.BYTE_BLOCK_SCALES[dtype]
+        per = blocks.GROUP
+        block_bytes = blocks.q4_block_bytes(width) if dtype == torch.uint8 else blocks.q8_block_bytes(width, scales)
+    if in_features % per:
+        raise ValueError(f"ggml type {ggml_type}: {in_features} inputs are not whole blocks of {per}")
+    out = torch.empty(cdiv(n, width), in_features // per, block_bytes // dtype.itemsize, dtype=dtype)
+    written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
+    if written != out.numel() * dtype.itemsize:
+        raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel() * dtype.itemsize}")
+    return out
 
 
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,12 @@ K_QUANT_NAMES = {torch.uint16: "Q4K", torch.uint32: "Q5K", torch.uint64: "Q6K"}
 SUPER = 256
 
 
+# ggml's type ids (gguf-py's GGMLQuantizationType) -> the panels ``gguf_pack.c`` packs a file's blocks of that type
+# into: Q4_0, Q4_1 -> Q4; Q5_0, Q8_0 -> Q8; Q5_1 -> Q5; Q4_K, Q5_K, Q6_K -> their K-quant panels
+GGUF_PANEL_DTYPES = {2: torch.uint8, 3: torch.uint8, 6: torch.int8, 8: torch.int8, 7: torch.int32, 12: torch.uint16,
+                     13: torch.uint32, 14: torch.uint64}
+
+
 def k_quant_block_bytes(dtype: torch.dtype, panel_width: int) -> int:
     """Bytes of one K-quant panel's 256 inputs."""
     header = (4 + 16 if dtype == torch.uint64 else 8 + 16) * panel_width

@@ -1,0 +1,206 @@
+/* A GGUF file's blocks packed straight from the file's bytes into the panels the kernels read (ops.c documents each
+ * layout; kernels/cpu/blocks.py packs the same panels from decoded blocks, and tests compare the two bit for bit).
+ *
+ * Why: an 8B Q4_K_M file is 4.9 GB of blocks. Decoding them into per-row tensors and then permuting those into
+ * panels in torch took ~30 s and held two transient copies of the largest tensor; here each panel is written once
+ * from the mapped file, on every core, so loading costs about one pass over the file.
+ *
+ * A weight [N, K] is given as N row addresses (row r's K / block-size blocks, in the file's layout), so a fused
+ * projection or a reordering of rows (llama.cpp's q/k interleave undone) costs nothing; the last panel's columns
+ * past N are zero. */
+#include <stdint.h>
+#include <string.h>
+
+#include "ops.h"
+
+/* The types of ggml's enum ggml_type this file packs. */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+#define GROUP 32 /* inputs per block of the per-32 panels, and per group of a K-quant super-block */
+#define SUPER 256
+
+/* An fp16 value (IEEE half, little-endian bytes) as a float, exactly. */
+static inline float half_at(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) {
+        bits = sign | 0x7F800000u | man << 13;
+    } else if (exp) {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    } else { /* zero or subnormal: man 2^-24 */
+        float f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Where the panel formats keep a column's values: per 32 inputs, in nibbles (Q4, Q4K: lane c of word k / 8 holds
+ * eight consecutive k, k % 8 in bits 4 (k % 8)) or in bytes (the others: word k / 4, byte k % 4). */
+static inline void put_word(uint8_t *weights, int nr, int c, int w, uint32_t word) {
+    memcpy(weights + ((int64_t)w * nr + c) * 4, &word, 4);
+}
+
+/* The low (high = 0) or high nibbles of eight bytes as one nibble word: byte i's in bits 4 i. Why: the file and the
+ * panels both hold nibbles, paired differently; in 64-bit steps this runs at several GB/s, where a value at a time
+ * ran at ~1. */
+static inline uint32_t nibble_word(const uint8_t *bytes, int high) {
+    uint64_t x;
+    memcpy(&x, bytes, 8);
+    x = (high ? x >> 4 : x) & 0x0F0F0F0F0F0F0F0Full;
+    x = (x | x >> 4) & 0x00FF00FF00FF00FFull;
+    x = (x | x >> 8) & 0x0000FFFF0000FFFFull;
+    return (uint32_t)(x | x >> 16);
+}
+
+/* 16 bytes of nibbles, input i low and i + 16 high (Q4_0, Q4_1), as a Q4 block's four words. */
+static void put_split_nibbles(uint8_t *weights, int nr, int c, const uint8_t *qs) {
+    for (int w = 0; w < 4; w++) put_word(weights, nr, c, w, nibble_word(qs + 8 * (w % 2), w / 2));
+}
+
+static void put_bytes(uint8_t *weights, int nr, int c, const uint8_t v[GROUP]) {
+    for (int w = 0; w < GROUP / 4; w++) memcpy(weights + ((int64_t)w * nr + c) * 4, v + 4 * w, 4);
+}
+
+static inline void put_float(uint8_t *vector, int c, float x) { memcpy(vector + 4 * c, &x, 4); }
+
+/* The values 0..15 of a 16-byte run of nibbles: input i low, i + 16 high (Q4_0, Q4_1, Q5_0, Q5_1). */
+static void split_nibbles(const uint8_t *qs, uint8_t v[GROUP]) {
+    for (int i = 0; i < 16; i++) v[i] = qs[i] & 15, v[i + 16] = qs[i] >> 4;
+}
+
+/* Bit i of the 32 little-endian bits at qh, as bit 4 of v[i]. */
+static void add_high_bits(const uint8_t *qh, uint8_t v[GROUP]) {
+    for (int i = 0; i < GROUP; i++) v[i] |= ((qh[i / 8] >> (i % 8)) & 1) << 4;
+}
+
+/* One per-32 block (Q4_0 ... Q8_0) of column c into its place of a Q4, Q8 or Q5 panel block: the scale vectors
+ * (d; Q4 and Q5: d, m), then the weights. A zero block where src is NULL (a padding column). */
+static void put_block32(int type, const uint8_t *src, uint8_t *block, int nr, int c) {
+    uint8_t v[GROUP] = {0};
+    float d = 0.0f, m = 0.0f;
+    int scales = type == T_Q8_0 || type == T_Q5_0 ? 1 : 2;
+    if (src) {
+        switch (type) {
+        case T_Q4_0: d = half_at(src), m = -8 * d; break;
+        case T_Q4_1: d = half_at(src), m = half_at(src + 2); break;
+        case T_Q5_0: /* d (q - 16), q in 0..31: Q8 panels' int8 */
+            d = half_at(src), split_nibbles(src + 6, v), add_high_bits(src + 2, v);
+            for (int i = 0; i < GROUP; i++) v[i] = (uint8_t)(int8_t)(v[i] - 16);
+            break;
+        case T_Q5_1: d = half_at(src), m = half_at(src + 2), split_nibbles(src + 8, v), add_high_bits(src + 4, v); break;
+        default: d = half_at(src), memcpy(v, src + 2, GROUP); break; /* Q8_0 */
+        }
+    }
+    put_float(block, c, d);
+    if (scales == 2) put_float(block + 4 * nr, c, m);
+    uint8_t *weights = block + (int64_t)scales * 4 * nr;
+    if (type == T_Q4_0 || type == T_Q4_1) {
+        static const uint8_t zeros[16];
+        put_split_nibbles(weights, nr, c, src ? src + (type == T_Q4_0 ? 2 : 4) : zeros);
+    } else {
+        put_bytes(weights, nr, c, v);
+    }
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and min of group j from their 12 packed bytes (ggml's get_scale_min_k4). */
+static void k4_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63, *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One K-quant super-block of column c into a Q4K, Q5K or Q6K panel super-block: d (and dmin), the sub-scales four
+ * to a 32-bit lane (byte j of word i: group, or Q6K's 16-input half, 4 i + j), then eight groups of weights. */
+static void put_super(int type, const uint8_t *src, uint8_t *sb, int nr, int c) {
+    static const uint8_t zeros[210];
+    const int q6 = type == T_Q6_K;
+    const uint8_t *s = src ? src : zeros;
+    uint8_t *lanes = sb + (q6 ? 4 : 8) * nr, *weights = sb + (q6 ? 4 + 16 : 8 + 16) * nr;
+    const int64_t group_bytes = (int64_t)(type == T_Q4_K ? GROUP / 2 : GROUP) * nr;
+    uint8_t v[GROUP];
+    if (q6) { /* ql [128], qh [64], int8 scales [16], d: group 4 n + t from ql's run n, qh's bits 2 t, minus 32 */
+        put_float(sb, c, half_at(s + 208));
+        for (int i = 0; i < 16; i++) lanes[((int64_t)(i / 4) * nr + c) * 4 + i % 4] = s[192 + i];
+        for (int g = 0; g < 8; g++) {
+            const int n = g / 4, t = g % 4;
+            const uint8_t *ql = s + 64 * n + 32 * (t % 2), *qh = s + 128 + 32 * n;
+            for (int i = 0; i < GROUP; i++) /* a padding column's values are 0, as its scales */
+                v[i] = src ? (uint8_t)(int8_t)((((ql[i] >> (4 * (t / 2))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32)
+                           : 0;
+            put_bytes(weights + g * group_bytes, nr, c, v);
+        }
+        return;
+    }
+    /* Q4_K: d, dmin, 12 bytes of scales, qs [128]; Q5_K: the same, then qh [32] before qs. Group 2 j + h: nibble h of
+     * qs's run j (and bit 2 j + h of qh) */
+    put_float(sb, c, half_at(s)), put_float(sb + 4 * nr, c, half_at(s + 2));
+    for (int j = 0; j < 8; j++)
+        k4_scale_min(s + 4, j, &lanes[((int64_t)(j / 4) * nr + c) * 4 + j % 4],
+                     &lanes[((int64_t)(2 + j / 4) * nr + c) * 4 + j % 4]);
+    const uint8_t *qs = s + (type == T_Q5_K ? 48 : 16), *qh = s + 16;
+    for (int g = 0; g < 8; g++) {
+        if (type == T_Q4_K) {
+            for (int w = 0; w < 4; w++)
+                put_word(weights + g * group_bytes, nr, c, w, nibble_word(qs + 32 * (g / 2) + 8 * w, g % 2));
+            continue;
+        }
+        for (int i = 0; i < GROUP; i++) v[i] = ((qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 15) | ((qh[i] >> g) & 1) << 4;
+        put_bytes(weights + g * group_bytes, nr, c, v);
+    }
+}
+
+static int block_bytes_of(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Bytes of one panel block (32 inputs; K-quants: 256) of the panel format that `type` packs into. */
+static int64_t panel_block_bytes(int type, int nr) {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: return 2 * 4 * nr + GROUP / 2 * nr; /* Q4 */
+    case T_Q5_0: case T_Q8_0: return 4 * nr + GROUP * nr;         /* Q8 */
+    case T_Q5_1: return 2 * 4 * nr + GROUP * nr;                  /* Q5 */
+    case T_Q4_K: return (8 + 16) * nr + SUPER / 2 * nr;
+    case T_Q5_K: return (8 + 16) * nr + SUPER * nr;
+    default: return (4 + 16) * nr + SUPER * nr; /* Q6_K */
+    }
+}
+
+/* Panels [ceil(N / nr), K / (32 or 256), panel_block_bytes] of the weight whose row r's blocks start at rows[r]
+ * (ggml type `type`, K inputs a row). Returns the bytes written, or -1 for a type this file does not pack. */
+int64_t hp_pack_gguf(int type, const int64_t *rows, int N, int K, int nr, void *out) {
+    const int bytes = block_bytes_of(type), per = type >= T_Q4_K ? SUPER : GROUP;
+    if (!bytes || K % per || nr % 8) return -1;
+    const int blocks = K / per, panels = (N + nr - 1) / nr;
+    const int64_t panel_bytes = panel_block_bytes(type, nr), total = (int64_t)panels * blocks * panel_bytes;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int p = 0; p < panels; p++)
+        for (int b = 0; b < blocks; b++) {
+            uint8_t *block = (uint8_t *)out + ((int64_t)p * blocks + b) * panel_bytes;
+            for (int c = 0; c < nr; c++) {
+                const int n = p * nr + c;
+                const uint8_t *src = n < N ? (const uint8_t *)(intptr_t)rows[n] + (int64_t)b * bytes : 0;
+                if (per == SUPER)
+                    put_super(type, src, block, nr, c);
+                else
+                    put_block32(type, src, block, nr, c);
+            }
+        }
+    return total;
+}
