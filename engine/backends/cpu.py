@@ -25,11 +25,11 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.base import TorchBackend
-from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, measure_plan
+from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, c_panels_plan, measure_plan
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
-from engine.models.quantized import FileBlocks
+from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
 from engine.models.rotary import RotaryEmbedding
 from kernels import cdiv
 from kernels import cpu as cpu_kernels
@@ -60,6 +60,23 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_kernels.linear(x, self.packed, self.out_features, bias, self.int8_activations)
+
+
+@dataclass(frozen=True)
+class SplitLinear:
+    """A fused projection held as panels of two formats (a GGUF file's ``SplitBlocks``): each product writes its
+    own columns of the one output."""
+
+    head: PackedLinear
+    tail: PackedLinear
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n = self.head.out_features
+        y = torch.empty(x.shape[0], n + self.tail.out_features, dtype=torch.float32)
+        for part, columns in ((self.head, slice(0, n)), (self.tail, slice(n, None))):
+            cpu_kernels.linear(x, part.packed, part.out_features, None if bias is None else bias[columns],
+                               part.int8_activations, out=y[:, columns])
+        return y
 
 
 @dataclass(frozen=True)
@@ -128,9 +145,7 @@ class CpuBackend(TorchBackend):
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
         self.int8_activations = quantized and self._int8_activations()
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
-            self.plan = measure_plan([m.quantized for m in projections],
-                                     lambda w: partial(PackedLinear(_pack_quantized(w), w.shape[0]), bias=None),
-                                     self.dtype, "c")
+            self.plan = c_panels_plan(self.dtype)
         else:
             self.plan = measure_plan([m.weight.detach() for m in projections],
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
@@ -138,8 +153,7 @@ class CpuBackend(TorchBackend):
         library = self.plan.uses_library
         for module in model.modules():
             if isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
-                module.kernel = PackedLinear(_pack_quantized(module.take_quantized()), module.out_features,
-                                             self.int8_activations)
+                module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations)
             elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
                 module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
@@ -217,7 +231,14 @@ class CpuBackend(TorchBackend):
         return f"cpu backend (C kernels, {products} products{int8})"
 
 
-def _pack_quantized(weight: Blocks) -> torch.Tensor:
+def _quantized_kernel(weight: Blocks, int8_activations: bool) -> PackedLinear | SplitLinear:
+    if isinstance(weight, SplitBlocks):
+        return SplitLinear(_quantized_kernel(weight.head, int8_activations),
+                           _quantized_kernel(weight.tail, int8_activations))
+    return PackedLinear(_pack_quantized(weight), weight.shape[0], int8_activations)
+
+
+def _pack_quantized(weight: FileBlocks | QuantizedWeight) -> torch.Tensor:
     """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
     the fp32 panels of their dequantized values: straight from the file's bytes where they still are (its pages
     handed back after), else from the decoded blocks, PACK_CHUNK_PANELS panels at a time into the result (the
@@ -246,8 +267,16 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def _packed(layer: Linear) -> torch.Tensor:
-    return layer.kernel.packed
+def _packed(layer: Linear) -> dict[str, torch.Tensor | int | None]:
+    """A projection's panels as ``LayerWeights`` holds them: whole, or a head and a tail (``SplitLinear``)."""
+    kernel = layer.kernel
+    if isinstance(kernel, SplitLinear):
+        return {"": kernel.head.packed, "_tail": kernel.tail.packed, "_head_rows": kernel.head.out_features}
+    return {"": kernel.packed}
+
+
+def _fused(name: str, layer: Linear) -> dict[str, torch.Tensor | int]:
+    return {name + suffix: value for suffix, value in _packed(layer).items()}
 
 
 def _decoder(model: LlamaForCausalLM, int8_activations: bool) -> Decoder:
@@ -261,9 +290,9 @@ def _decoder(model: LlamaForCausalLM, int8_activations: bool) -> Decoder:
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append(LayerWeights(
-            input_norm=_detached(layer.input_layernorm.weight), qkv=_packed(a.qkv_proj), o=_packed(a.o_proj),
-            post_norm=_detached(layer.post_attention_layernorm.weight), gate_up=_packed(m.gate_up_proj),
-            down=_packed(m.down_proj), qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
+            input_norm=_detached(layer.input_layernorm.weight), **_fused("qkv", a.qkv_proj), o=a.o_proj.kernel.packed,
+            post_norm=_detached(layer.post_attention_layernorm.weight), **_fused("gate_up", m.gate_up_proj),
+            down=m.down_proj.kernel.packed, qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
             gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
             q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
         ))

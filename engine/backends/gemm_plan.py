@@ -24,12 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from engine.models.quantized import Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -126,18 +122,26 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 1024 * 2048 * 2048 / seconds_per_call(lambda: a @ b, budget_s=0.03) / 1e9
 
 
-def measure_plan(weights: list[torch.Tensor | Blocks], c_kernel: Callable[[torch.Tensor], Callable],
+def c_panels_plan(dtype: torch.dtype) -> GemmPlan:
+    """The plan of a GGUF file's quantized weights, which only the C panels take: nothing to choose, so nothing is
+    timed but the machine's peak (timing an 8B model's first layer for the record took ~5 s of its start-up)."""
+    plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, ("c",) * len(M_BUCKETS), {},
+                    matmul_peak_gflops(dtype))
+    logger.info(plan.describe())
+    return plan
+
+
+def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor], Callable],
                  dtype: torch.dtype, family: str = "auto") -> GemmPlan:
     """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
     ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes
     the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice (still timed, for the
-    record). A GGUF file's quantized weights have the C panels only (timed for the record and the machine's
-    peak)."""
+    record)."""
     if family == "onednn" and not library_available():
         raise ValueError("gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn)")
     flops = [2 * w.shape[0] * w.shape[1] for w in weights]
     candidates = {"c": [c_kernel(w) for w in weights]}
-    if library_available() and all(isinstance(w, torch.Tensor) for w in weights):
+    if library_available():
         candidates["onednn"] = [partial(OneDnnLinear.pack(w), bias=None) for w in weights]
     rates: dict[str, list[float]] = {name: [] for name in candidates}
     for m in M_BUCKETS:

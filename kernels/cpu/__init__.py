@@ -299,21 +299,26 @@ def q8x_available() -> bool:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           int8_activations: bool = False) -> torch.Tensor:
+           int8_activations: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
     ``pack_weight_compact(weight)``. ``int8_activations``: block panels (a GGUF file's) multiply ``x`` rounded to
     int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` (not exact: see ops.c); other panels ignore
-    it."""
+    it. ``out``: where to write it, fp32 [M, out_features] with rows that may be strided (some columns of a wider
+    output)."""
     x = _rows(x, "x")
     m, k = x.shape
     in_features, columns = packed_geometry(packed)
     if in_features != k or columns < out_features:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
-    y = torch.empty(m, out_features, dtype=torch.float32)
+    y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
+    _check(y, torch.float32, "out")
+    if y.shape != (m, out_features) or (m and out_features > 1 and y.stride(1) != 1):
+        raise ValueError(f"out: expected [{m}, {out_features}] with contiguous rows, got {tuple(y.shape)} "
+                         f"strides {y.stride()}")
     b = 0 if bias is None else bias.contiguous().data_ptr()
     if m:
         fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0)
-        _library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), out_features,
+        _library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
                                     m, out_features, k)
     return y
 

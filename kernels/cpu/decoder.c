@@ -19,9 +19,24 @@ struct hp_layer {
     const float *post_norm;
     const void *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias, *q_norm, *k_norm;
+    /* A fused projection of two formats (a GGUF file's Q6_K attn_v after Q4_K q and k): its first *_head_rows
+     * outputs in qkv/gate_up, the rest in these; NULL where one format holds it all. */
+    const void *qkv_tail, *gate_up_tail;
     void *k_cache, *v_cache;
-    int qkv_format, o_format, gate_up_format, down_format;
+    int qkv_format, o_format, gate_up_format, down_format, qkv_tail_format, gate_up_tail_format;
+    int qkv_head_rows, gate_up_head_rows;
 };
+
+/* y [T, N] = x [T, K] . w + bias for a projection held whole or as a head and a tail of different formats. */
+static void fused_product(const void *w, int format, const void *tail, int tail_format, int head_rows,
+                          const float *x, int64_t ldx, const float *bias, float *y, int T, int N, int K) {
+    if (!tail) {
+        hp_linear_packed(format, x, ldx, w, bias, y, N, T, N, K);
+        return;
+    }
+    hp_linear_packed(format, x, ldx, w, bias, y, N, T, head_rows, K);
+    hp_linear_packed(tail_format, x, ldx, tail, bias ? bias + head_rows : 0, y + head_rows, N, T, N - head_rows, K);
+}
 
 struct hp_decoder {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
@@ -54,7 +69,8 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
             hp_rms_norm(x, H, L->input_norm, h, T, H, m->eps);
         else /* the previous layer's MLP output joins the residual stream */
             hp_add_rms_norm(out, residual, L->input_norm, h, T, H, m->eps);
-        hp_linear_packed(L->qkv_format, h, H, L->qkv, L->qkv_bias, qkv, qkv_size, T, qkv_size, H);
+        fused_product(L->qkv, L->qkv_format, L->qkv_tail, L->qkv_tail_format, L->qkv_head_rows, h, H, L->qkv_bias, qkv,
+                      T, qkv_size, H);
         if (L->q_norm) /* Qwen3: RMSNorm over each head of q and of k, in place */
             for (int t = 0; t < T; t++) {
                 float *row = qkv + (int64_t)t * qkv_size;
@@ -68,7 +84,8 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
                                   T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale, m->kv_format);
         hp_linear_packed(L->o_format, attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);
         hp_add_rms_norm(out, residual, L->post_norm, h, T, H, m->eps);
-        hp_linear_packed(L->gate_up_format, h, H, L->gate_up, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H);
+        fused_product(L->gate_up, L->gate_up_format, L->gate_up_tail, L->gate_up_tail_format, L->gate_up_head_rows, h,
+                      H, L->gate_up_bias, gate_up, T, 2 * I, H);
         hp_silu_mul(gate_up, act, T, I);
         hp_linear_packed(L->down_format, act, I, L->down, L->down_bias, out, H, T, H, I);
     }

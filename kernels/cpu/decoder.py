@@ -44,9 +44,16 @@ class LayerWeights:
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # A fused projection of two block types (a GGUF file's SplitBlocks): its first ``*_head_rows`` outputs in
+    # ``qkv``/``gate_up``, the rest in these panels of another format.
+    qkv_tail: torch.Tensor | None = None
+    gate_up_tail: torch.Tensor | None = None
+    qkv_head_rows: int = 0
+    gate_up_head_rows: int = 0
 
 
-_PACKED = ("qkv", "o", "gate_up", "down")
+_PACKED = ("qkv", "o", "gate_up", "down", "qkv_tail", "gate_up_tail")
+_ROWS = ("qkv_head_rows", "gate_up_head_rows")
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,9 @@ class DecoderShape:
 
 
 class _LayerStruct(ctypes.Structure):  # struct hp_layer
-    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights)] + [("k_cache", _ptr), ("v_cache", _ptr)] + [
-        (f"{name}_format", _c_int) for name in _PACKED
-    ]
+    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights) if f.name not in _ROWS] + [
+        ("k_cache", _ptr), ("v_cache", _ptr)] + [(f"{name}_format", _c_int) for name in _PACKED] + [
+        (name, _c_int) for name in _ROWS]
 
 
 class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
@@ -121,12 +128,20 @@ class Decoder:
                 "qkv_bias": (q_size + 2 * kv_size,), "o_bias": (s.hidden,), "gate_up_bias": (2 * s.intermediate,),
                 "down_bias": (s.hidden,),
             }
+            for fused in ("qkv", "gate_up"):  # split in two: the head's outputs, then the tail's
+                head_rows = getattr(layer, f"{fused}_head_rows")
+                if (getattr(layer, f"{fused}_tail") is None) != (head_rows == 0):
+                    raise ValueError(f"layers[{i}].{fused}: a tail needs its head's rows, and only a tail does")
+                if head_rows:
+                    k, n = expected[fused]
+                    expected[fused], expected[f"{fused}_tail"] = (k, head_rows), (k, n - head_rows)
+                    setattr(self._layers[i], f"{fused}_head_rows", head_rows)
             for f in fields(LayerWeights):
                 t = getattr(layer, f.name)
-                if t is None:
+                if t is None or f.name in _ROWS:
                     continue
                 name = f"layers[{i}].{f.name}"
-                if f.name in _PACKED:  # fp32, Q4 or BF16 panels of an (in -> out) weight
+                if f.name in _PACKED:  # panels of an (in -> out) weight, in any of WEIGHT_FORMATS
                     k, n = expected[f.name]
                     if t.dtype not in WEIGHT_FORMATS or not t.is_contiguous():
                         raise ValueError(f"{name}: expected contiguous packed panels, got {t.dtype}")
