@@ -144,6 +144,31 @@ def test_int8_activation_products_are_within_their_rounding_of_the_exact_ones(gg
     assert torch.equal(cpu.linear(x, fp32, 40, int8_activations=True), cpu.linear(x, fp32, 40))
 
 
+@pytest.mark.skipif(len(cpu.q8x_dots()) < 2, reason="needs both VNNI and AVX2 dot products")
+@pytest.mark.parametrize("kind", [*F16_AT, "Q4_K+Q6_K"], ids=lambda k: getattr(k, "name", k))
+def test_both_integer_dot_products_give_the_same_bits(gguf_tensors, kind):
+    """VNNI's u8 x s8 (byte weights offset by 128, taken back off) and AVX2's maddubs (signed, with |w| x sign)
+    sum the same integers exactly, so either may serve: the backend keeps the faster (timed at start)."""
+    if kind == "Q4_K+Q6_K":
+        weight = QuantizedWeight.cat([decode(gguf_tensors["Q4_K"]), decode(gguf_tensors["Q6_K"])])
+    else:
+        weight = decode(gguf_tensors[kind.name])
+    packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
+    torch.manual_seed(0)
+    x = torch.randn(9, 512) * 10
+    x[0, :32] = 0  # a block of zero activations
+    results = {}
+    try:
+        for dot in cpu.q8x_dots():
+            cpu.set_q8x_dot(dot)
+            results[dot] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True) for rows in (1, 9)]
+    finally:
+        cpu.set_q8x_dot(cpu.q8x_dots()[0])
+    assert all(torch.equal(a, b) for a, b in zip(results["vnni"], results["maddubs"], strict=True))
+    with pytest.raises(ValueError, match="no 'amx'"):
+        cpu.set_q8x_dot("amx")
+
+
 def test_a_weight_packed_a_chunk_of_panels_at_a_time_gives_the_same_panels(gguf_tensors, monkeypatch):
     import engine.backends.cpu as cpu_backend
 

@@ -69,6 +69,8 @@ def find_compiler() -> str | None:
 _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
     "hp_q8x_available": [],
+    "hp_q8x_dots": [],
+    "hp_set_q8x_dot": [_c_int],
     "hp_shm_sum": [_ptr, _c_int, _c_int, _c_i64, _ptr, _c_i64, _c_i64, ctypes.c_double],
     "hp_shm_sum_bytes": [_c_int, _c_i64],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -89,8 +91,9 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_bf16_native": [],
     "hp_set_bf16_emulation": [_c_int],
 }
-_RESULTS = {"hp_q8x_available": _c_int, "hp_embed_rows": _c_int, "hp_find_blocks": _c_int, "hp_bf16_native": _c_int,
-            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64, "hp_pack_gguf": _c_i64}
+_RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
+            "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
+            "hp_pack_gguf": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -294,8 +297,23 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
 
 def q8x_available() -> bool:
     """Whether this CPU multiplies block panels with int8 activations (``linear(..., int8_activations=True)``): it
-    has u8 x s8 dot products (AVX512-VNNI or AVX-VNNI)."""
+    has integer dot products (AVX512-VNNI or AVX-VNNI, or AVX2's maddubs)."""
     return bool(_library().hp_q8x_available())
+
+
+Q8X_DOTS = {"vnni": 1, "maddubs": 2}  # ops.c: the integer dot products the int8-activation products can use
+
+
+def q8x_dots() -> list[str]:
+    """The integer dot products this build has for int8-activation products (``Q8X_DOTS``)."""
+    found = _library().hp_q8x_dots()
+    return [name for name, bit in Q8X_DOTS.items() if found & bit]
+
+
+def set_q8x_dot(name: str) -> None:
+    """Which of ``q8x_dots()`` the int8-activation products use from now on (the backend times them at start)."""
+    if _library().hp_set_q8x_dot(Q8X_DOTS.get(name, 0)):
+        raise ValueError(f"this build has no {name!r} dot product (it has {q8x_dots()})")
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,

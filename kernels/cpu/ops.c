@@ -40,7 +40,33 @@ static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) {
 #define HP_DOT_U8S8 0
 static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) { (void)u, (void)s; return acc; } /* never called */
 #endif
-int hp_q8x_available(void) { return HP_DOT_U8S8; }
+
+/* s8 x s8 dot products with AVX2's maddubs (llama.cpp's way before VNNI): |w| (unsigned) times x with w's sign,
+ * pairs summed to 16 bits (at most 2 x 128 x 127 = 32512: no saturation), then to 32-bit lanes. Two more
+ * instructions than a VNNI dot, and no offset to take back off. */
+#ifdef __AVX2__
+#define HP_DOT_S8S8 1
+static inline v8i dot_s8s8(v8i acc, v8i w, v8i x) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                                               _mm256_sign_epi8((__m256i)x, (__m256i)w));
+    return acc + (v8i)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#else
+#define HP_DOT_S8S8 0
+static inline v8i dot_s8s8(v8i acc, v8i w, v8i x) { (void)w, (void)x; return acc; } /* never called */
+#endif
+
+/* The Q8X dot products this build has (bit 0: VNNI's u8 x s8, bit 1: AVX2's s8 x s8), and the one products use:
+ * the backend times both where both exist (hp_set_q8x_dot) and keeps the faster. */
+enum { Q8X_VNNI = 1, Q8X_MADDUBS = 2 };
+static int q8x_dot = HP_DOT_U8S8 ? Q8X_VNNI : Q8X_MADDUBS;
+int hp_q8x_dots(void) { return (HP_DOT_U8S8 ? Q8X_VNNI : 0) | (HP_DOT_S8S8 ? Q8X_MADDUBS : 0); }
+int hp_q8x_available(void) { return hp_q8x_dots() != 0; }
+int hp_set_q8x_dot(int dot) {
+    if (!(hp_q8x_dots() & dot) || (dot != Q8X_VNNI && dot != Q8X_MADDUBS)) return -1;
+    q8x_dot = dot;
+    return 0;
+}
 
 static inline v8f load8(const float *p) { return *(const v8f *)p; }
 static inline void store8(float *p, v8f v) { *(v8f *)p = v; } /* unaligned, straight from the register */
@@ -680,7 +706,7 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
                       int64_t ldy, int M, int N, int K) {
     if (format & HP_Q8X) { /* int8 activations where asked, the format a block format and the CPU able */
         format &= ~HP_Q8X;
-        if (HP_DOT_U8S8 && format != HP_F32 && format != HP_I8 && format != HP_BF16 && format != HP_BF16C) {
+        if (hp_q8x_available() && format != HP_F32 && format != HP_I8 && format != HP_BF16 && format != HP_BF16C) {
             linear_q8x(format, x, ldx, packed, bias, y, ldy, M, N, K);
             return;
         }
@@ -712,7 +738,9 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
  * Opt-in (HP_Q8X on the format; EngineConfig.quantized_matmul = "int8"). Each call rounds its rows to int8 per 32 k
  * (d = max |x| / 127, q = round(x / d)) and multiplies each 32 k of a block panel as integers: vpdpbusd sums four
  * u8 x s8 products a 32-bit lane. Nibble weights (Q4, Q4K) are unsigned as they are; byte weights are signed, made
- * unsigned by q ^ 0x80 (q + 128), and 128 Σ qx is taken back off. Per 16 k (the finest scales, Q6K's and Q6M's):
+ * unsigned by q ^ 0x80 (q + 128), and 128 Σ qx is taken back off. Without VNNI (AVX2 only), or where it measured
+ * slower, AVX2's maddubs takes every weight as signed (dot_s8s8) and the offset is 0. Per 16 k (the finest scales,
+ * Q6K's and Q6M's):
  *     c += d_w d_x (Σ u qx - offset Σ qx) + m_w d_x Σ qx
  * Not exact: the activations' rounding (at most half a step of max |x| / 127 per value of each 32) shows in the
  * products, as it does in llama.cpp's. Why: a small batch over dequantized-in-register weights is compute-bound
@@ -758,10 +786,10 @@ static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nib
 static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, const struct q8x_row *a, int b0,
                                                                    const void *panel, int kc, float *y, int64_t ldy,
                                                                    int cols, const float *bias, int first,
-                                                                   int format) {
-    const int nibbles = block_nibbles(format);
-    const v8i offset_bits = splat8i(nibbles ? 0 : (int)0x80808080);
-    const v8f offset = splat8(nibbles ? 0.0f : 128.0f);
+                                                                   int format, int dot) {
+    const int nibbles = block_nibbles(format), unsigned_bytes = !nibbles && dot == Q8X_VNNI;
+    const v8i offset_bits = splat8i(unsigned_bytes ? (int)0x80808080 : 0);
+    const v8f offset = splat8(unsigned_bytes ? 128.0f : 0.0f);
     v8f c[MR][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
@@ -797,7 +825,8 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
                     if (i >= rows) break;
                     const v8i xq = splat8i(a[i].words[(int64_t)b * 8 + 4 * h + t]);
 #pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) acc[i][v] = dot_u8s8(acc[i][v], u[v], xq);
+                    for (int v = 0; v < NV; v++)
+                        acc[i][v] = dot == Q8X_VNNI ? dot_u8s8(acc[i][v], u[v], xq) : dot_s8s8(acc[i][v], u[v], xq);
                 }
             }
 #pragma GCC unroll 8
@@ -823,28 +852,35 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
 /* Panel p of a Q8X product for rows m0..m1, every k block, MR rows at a time; ``format`` constant per instance. */
 static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m0, int m1, const struct q8x_row *rows,
                                                                     const void *packed, const float *bias, float *y,
-                                                                    int64_t ldy, int N, int K, int format) {
+                                                                    int64_t ldy, int N, int K, int format,
+                                                                    int dot) {
     const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
     for (int k0 = 0; k0 < K; k0 += KC) {
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
         const int kc = K - k0 < KC ? K - k0 : KC, last = k0 + KC >= K;
         const float *b = bias && last ? bias + n0 : 0;
-        /* NOTE: one body per format, the row count a runtime bound: a body per row count as well (28 in all) had
-         * added 5 s to every build of the library for no measurable speed. */
+        /* NOTE: one body per format and dot product, the row count a runtime bound: a body per row count as well
+         * (28 in all) had added 5 s to every build of the library for no measurable speed. */
         for (int m = m0; m < m1; m += MR)
             micro_kernel_q8x(m1 - m < MR ? m1 - m : MR, rows + m, k0 / Q8_GROUP, panel, kc, y + m * ldy + n0, ldy,
-                             cols, b, k0 == 0, format);
+                             cols, b, k0 == 0, format, dot);
     }
 }
 
 /* Rows per block of a Q8X product: a block's int8 rows (K bytes each) stay in L2 while the panels pass over them. */
 #define Q8X_ROW_BLOCK 128
 
-#define Q8X_LOOP(format)                                                                                              \
+#define Q8X_LOOP_DOT(format, dot)                                                                                     \
     for (int m0 = 0; m0 < M; m0 += Q8X_ROW_BLOCK) {                                                                   \
         const int m1 = m0 + Q8X_ROW_BLOCK < M ? m0 + Q8X_ROW_BLOCK : M;                                               \
         _Pragma("omp parallel for schedule(dynamic, chunk)") for (int p = 0; p < (N + NR - 1) / NR; p++)             \
-            panel_product_q8x(p, m0, m1, rows, packed, bias, y, ldy, N, K, format);                                   \
+            panel_product_q8x(p, m0, m1, rows, packed, bias, y, ldy, N, K, format, dot);                              \
+    }
+#define Q8X_LOOP(format)                                                                                              \
+    if (q8x_dot == Q8X_VNNI && HP_DOT_U8S8) {                                                                        \
+        Q8X_LOOP_DOT(format, Q8X_VNNI)                                                                                \
+    } else {                                                                                                          \
+        Q8X_LOOP_DOT(format, Q8X_MADDUBS)                                                                             \
     }
 
 /* hp_linear_packed for a block format with HP_Q8X. The int8 rows live in a buffer of the calling thread, grown as

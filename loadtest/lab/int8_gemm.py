@@ -1,7 +1,7 @@
 """What ``--quantized-matmul int8`` buys a GGUF file's products on this CPU: per block type and row count, the time
-of one product over the packed panels with exact fp32 activations against activations rounded to int8 (VNNI's
-integer dot products), the same weight, alternating. Random blocks of realistic scales (``loadtest.models``),
-written to a GGUF file and read back through gguf-py, as a served file is.
+of one product over the packed panels with exact fp32 activations against activations rounded to int8, through each
+integer dot product this CPU has (VNNI's u8 x s8, AVX2's maddubs), the same weight, alternating. Random blocks of
+realistic scales (``loadtest.models``), written to a GGUF file and read back through gguf-py, as a served file is.
 
     python -m loadtest.lab.int8_gemm --rows 1,4,16,64,256 --shape 8192x2048
 
@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 
 from engine.backends.cpu import _pack_quantized
+from engine.backends.gemm_plan import cpu_isa
 from engine.gguf_weights import decode
 from engine.models.quantized import QuantizedWeight
 from kernels import cpu
@@ -46,11 +47,14 @@ def weights(n: int, k: int, folder: Path) -> dict[str, QuantizedWeight]:
             for name, kinds in TYPES.items()}
 
 
-def seconds(x: torch.Tensor, packed: torch.Tensor, n: int, int8: bool, reps: int) -> float:
-    cpu.linear(x, packed, n, int8_activations=int8)
+def seconds(x: torch.Tensor, packed: torch.Tensor, n: int, dot: str | None, reps: int) -> float:
+    """Mean seconds of one product: exact (``dot`` None) or with int8 activations through ``dot``."""
+    if dot is not None:
+        cpu.set_q8x_dot(dot)
+    cpu.linear(x, packed, n, int8_activations=dot is not None)
     start = time.perf_counter()
     for _ in range(reps):
-        cpu.linear(x, packed, n, int8_activations=int8)
+        cpu.linear(x, packed, n, int8_activations=dot is not None)
     return (time.perf_counter() - start) / reps
 
 
@@ -58,30 +62,36 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--shape", default="8192x2048", help="N x K of the weight")
-    p.add_argument("--rounds", type=int, default=5, help="alternations of the two ways; the median is printed")
+    p.add_argument("--rounds", type=int, default=5, help="alternations of the ways; the median is printed")
     args = p.parse_args(argv)
-    if not cpu.q8x_available():
-        raise SystemExit("this CPU has no u8 x s8 dot products (AVX512-VNNI or AVX-VNNI): the int8 path is off")
+    dots = cpu.q8x_dots()
+    if not dots:
+        raise SystemExit("this CPU has no integer dot products (VNNI or AVX2): the int8 path is off")
     n, k = (int(v) for v in args.shape.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
         made = weights(n, k, Path(tmp))
-    print(f"one product [rows, {k}] x [{k}, {n}], {torch.get_num_threads()} threads; ms (median of {args.rounds}), "
-          "GFLOP/s, int8 / exact speed-up")
-    print("| type | rows | exact (ms) | int8 (ms) | exact GFLOP/s | int8 GFLOP/s | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+    ways = [None, *dots]
+    names = ["exact", *(f"int8 {d}" for d in dots)]
+    print(f"one product [rows, {k}] x [{k}, {n}], {torch.get_num_threads()} threads, ISA {cpu_isa()}; ms (median "
+          f"of {args.rounds}), GFLOP/s, speed-up over exact")
+    print("| type | rows | " + " | ".join(f"{w} (ms)" for w in names) + " | "
+          + " | ".join(f"{w} GFLOP/s" for w in names) + " | " + " | ".join(f"{w} speed-up" for w in names[1:]) + " |")
+    print("|---|---|" + "---|" * (3 * len(names) - 1))
     for name, weight in made.items():
         packed = _pack_quantized(weight)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
             reps = max(2, int(2e9 / (2 * rows * n * k)))  # ~1 s of products a way at ~100 GFLOP/s
-            times = {False: [], True: []}
+            times: dict[str | None, list[float]] = {w: [] for w in ways}
             for _ in range(args.rounds):
-                for int8 in (False, True):
-                    times[int8].append(seconds(x, packed, n, int8, reps))
-            exact, int8 = (float(np.median(times[w])) for w in (False, True))
+                for way in ways:
+                    times[way].append(seconds(x, packed, n, way, reps))
+            ms = [float(np.median(times[w])) for w in ways]
             flops = 2 * rows * n * k
-            print(f"| {name} | {rows} | {exact * 1e3:.2f} | {int8 * 1e3:.2f} | {flops / exact / 1e9:.0f} | "
-                  f"{flops / int8 / 1e9:.0f} | {exact / int8:.2f}x |")
+            print(f"| {name} | {rows} | " + " | ".join(f"{t * 1e3:.2f}" for t in ms) + " | "
+                  + " | ".join(f"{flops / t / 1e9:.0f}" for t in ms) + " | "
+                  + " | ".join(f"{ms[0] / t:.2f}x" for t in ms[1:]) + " |")
+    cpu.set_q8x_dot(dots[0])
 
 
 if __name__ == "__main__":

@@ -27,20 +27,25 @@ from loadtest.serve import BenchConfig, benchmark_point, load_tokenizer
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants, now."""
-    total, todo = 0, [pid]
+def process_rss(pid: int) -> dict[int, int]:
+    """Resident bytes of ``pid`` and of each of its descendants, now."""
+    found, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * _PAGE
+                found[p] = int(f.read().split()[1]) * _PAGE
             for task in Path(f"/proc/{p}/task").iterdir():
                 children = (task / "children").read_text().split()
                 todo += [int(c) for c in children]
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total
+    return found
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants, now."""
+    return sum(process_rss(pid).values())
 
 
 def model_files(path: Path) -> list[Path]:
@@ -86,10 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     server = start([sys.executable, "-m", "server", "--port", str(args.port), "--model", str(path),
                     "--log-level", "info", *args.serve_args.split()], log)
     peak, done = [0], threading.Event()
+    each: dict[int, int] = {}  # peak of every process of the tree
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(server.pid))
+            now = process_rss(server.pid)
+            peak[0] = max(peak[0], sum(now.values()))
+            for pid, rss in now.items():
+                each[pid] = max(each.get(pid, 0), rss)
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -108,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"file {size / gib:.2f} GiB, read once in {read_s:.1f} s")
     print(f"healthy after {load_s:.1f} s ({load_s / max(read_s, 1e-3):.0f}x one read); peak RSS while loading "
           f"{load_peak / gib:.2f} GiB ({load_peak / size:.1f}x the file), while serving {peak[0] / gib:.2f} GiB")
+    engine_peak = max((rss for pid, rss in each.items() if pid != server.pid), default=0)
+    print(f"peak RSS of the engine process (which loads the model) {engine_peak / gib:.2f} GiB "
+          f"({engine_peak / size:.2f}x the file), of the API process {each.get(server.pid, 0) / gib:.2f} GiB")
     tpot = summary["tpot_ms"]["median"] / 1000
     print(f"c1, 128 in / 128 out: TPOT p50 {tpot * 1000:.1f} ms, TTFT p50 "
           f"{summary['ttft_ms']['median']:.0f} ms, {summary['output_throughput']:.1f} tok/s")
