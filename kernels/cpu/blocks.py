@@ -151,7 +151,7 @@ GGUF_PANEL_DTYPES = {2: torch.uint8, 3: torch.uint8, 6: torch.int8, 8: torch.int
 def k_quant_block_bytes(dtype: torch.dtype, panel_width: int) -> int:
     """Bytes of one K-quant panel's 256 inputs."""
     header = (4 + 16 if dtype == torch.uint64 else 8 + 16) * panel_width
-    return header + (SUPER // 2 if dtype == torch.uint16 else SUPER) * panel_width
+    return header + {torch.uint16: SUPER // 2, torch.uint64: SUPER * 3 // 4}.get(dtype, SUPER) * panel_width
 
 
 def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor | None, sub: torch.Tensor,
@@ -171,9 +171,29 @@ def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
         header = [columns(d.float()), columns(sub.view(torch.int8), 4)]
     else:  # the 8 scales, then the 8 mins
         header = [columns(d.float()), columns(dmin.float()), columns(sub[..., 0], 4), columns(sub[..., 1], 4)]
-    blocks = _nibble_blocks(q, panels, panel_width) if kind == "q4k" else _byte_blocks(q, panels, panel_width)
+    if kind == "q4k":
+        blocks = _nibble_blocks(q, panels, panel_width)
+    elif kind == "q6k":
+        blocks = _six_bit_blocks(q, panels, panel_width)
+    else:
+        blocks = _byte_blocks(q, panels, panel_width)
     weights = blocks.view(torch.int8).reshape(panels, supers, -1)
     return torch.cat([*header, weights], dim=-1).contiguous().view(K_QUANT_DTYPES[kind])
+
+
+def _six_bit_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:
+    """Q6_K's values q [N, K/32, 32] (-32..31) as Q6K panel groups: q + 32 in a Q4 block's nibbles, then the high two
+    bits (ops.c, Q6_HIGH): per column, word j of a group covers nibble words 2 j and 2 j + 1, byte i of it the values
+    k = 16 j + 8 c + 2 i + o at bits 2 (2 c + o). [panels, K/32, 24 P] bytes."""
+    u = (q.to(torch.int16) + 32).to(torch.uint8)
+    low = _nibble_blocks(u & 15, panels, panel_width)
+    groups = q.shape[1]
+    # [column, group, k = 16 j + 8 c + 2 i + o] -> [group, j, column, i] bytes of sum over (c, o) of h << 2 (2 c + o)
+    h = (_padded(u >> 4, panels, panel_width).view(panels, panel_width, groups, 2, 2, 4, 2)).to(torch.int32)
+    shifts = (2 * (2 * torch.arange(2).view(2, 1, 1) + torch.arange(2).view(1, 1, 2))).to(torch.int32)  # [c, 1, o]
+    high = (h << shifts).sum(dim=(4, 6)).to(torch.uint8)  # [panels, P, groups, j, i]
+    high = high.permute(0, 2, 3, 1, 4).reshape(panels, groups, -1)
+    return torch.cat([low, high], dim=-1)
 
 
 def pack_weight_q8(weight: torch.Tensor, panel_width: int) -> torch.Tensor | None:

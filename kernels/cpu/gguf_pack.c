@@ -123,18 +123,24 @@ static void put_super(int type, const uint8_t *src, uint8_t *sb, int nr, int c) 
     const int q6 = type == T_Q6_K;
     const uint8_t *s = src ? src : zeros;
     uint8_t *lanes = sb + (q6 ? 4 : 8) * nr, *weights = sb + (q6 ? 4 + 16 : 8 + 16) * nr;
-    const int64_t group_bytes = (int64_t)(type == T_Q4_K ? GROUP / 2 : GROUP) * nr;
+    const int64_t group_bytes = (int64_t)(type == T_Q4_K ? GROUP / 2 : q6 ? GROUP * 3 / 4 : GROUP) * nr;
     uint8_t v[GROUP];
-    if (q6) { /* ql [128], qh [64], int8 scales [16], d: group 4 n + t from ql's run n, qh's bits 2 t, minus 32 */
+    if (q6) { /* ql [128], qh [64], int8 scales [16], d: group 4 n + t from ql's run n, qh's bits 2 t */
         put_float(sb, c, half_at(s + 208));
         for (int i = 0; i < 16; i++) lanes[((int64_t)(i / 4) * nr + c) * 4 + i % 4] = s[192 + i];
         for (int g = 0; g < 8; g++) {
             const int n = g / 4, t = g % 4;
             const uint8_t *ql = s + 64 * n + 32 * (t % 2), *qh = s + 128 + 32 * n;
-            for (int i = 0; i < GROUP; i++) /* a padding column's values are 0, as its scales */
-                v[i] = src ? (uint8_t)(int8_t)((((ql[i] >> (4 * (t / 2))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32)
-                           : 0;
-            put_bytes(weights + g * group_bytes, nr, c, v);
+            uint8_t *group = weights + g * group_bytes;
+            /* q + 32 as the file has it: the low four bits as nibble words, the high two as Q6_HIGH words */
+            for (int w = 0; w < 4; w++) put_word(group, nr, c, w, nibble_word(ql + 8 * w, t / 2));
+            for (int j = 0; j < 2; j++) {
+                uint32_t word = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int b = 0; b < 4; b++) /* b = 2 c + o: value k = 16 j + 8 c + 2 i + o */
+                        word |= (uint32_t)((qh[16 * j + 8 * (b / 2) + 2 * i + b % 2] >> (2 * t)) & 3) << (8 * i + 2 * b);
+                put_word(group + 16 * nr, nr, c, j, word);
+            }
         }
         return;
     }
@@ -178,7 +184,7 @@ static int64_t panel_block_bytes(int type, int nr) {
     case T_Q5_1: return 2 * 4 * nr + GROUP * nr;                  /* Q5 */
     case T_Q4_K: return (8 + 16) * nr + SUPER / 2 * nr;
     case T_Q5_K: return (8 + 16) * nr + SUPER * nr;
-    default: return (4 + 16) * nr + SUPER * nr; /* Q6_K */
+    default: return (4 + 16) * nr + SUPER * 3 / 4 * nr; /* Q6_K */
     }
 }
 

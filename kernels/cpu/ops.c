@@ -216,15 +216,20 @@ static inline int block_bytes(int format) {
  * groups as [2][NR] 32-bit lanes (lane c of word i: column c, byte j: group 4 i + j), the mins likewise, then the
  * weights of each 32 k as a Q4 block's nibbles (Q4K) or a Q8 block's bytes (Q5K). The kernel forms d sc and
  * -(dmin min) as gguf-py does (exact products), so the values are Q4's and Q5's: 0.59 and 1.09 bytes a weight instead
- * of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen 16-k halves as [4][NR] lanes, then bytes:
- * 1.08 bytes a weight. K % 256 == 0.
+ * of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen 16-k halves as [4][NR] lanes, then per
+ * 32 k the file's six bits as it has them: q + 32 (0..63) in a Q4 block's nibbles for its low four bits, then two
+ * words a column for the high two (Q6_HIGH), 0.83 bytes a weight (1.08 as bytes). K % 256 == 0.
  * NOTE: the sub-scales sit four to a 32-bit lane, as int8 panels' weights do, because GCC 12 widens an 8-byte
  * vector one element at a time (a 65% slower 1-row product when they were [8][NR] bytes). */
 #define KSB 256
 static inline int kquant(int format) { return format == Q4K_PANELS || format == Q5K_PANELS || format == Q6K_PANELS; }
 static inline int ksb_header(int format) { return (format == Q6K_PANELS ? 4 + 16 : 8 + 16) * NR; }
 static inline int ksb_bytes(int format) {
-    return ksb_header(format) + (format == Q4K_PANELS ? KSB / 2 : KSB) * NR;
+    return ksb_header(format) + (format == Q4K_PANELS ? KSB / 2 : format == Q6K_PANELS ? KSB * 3 / 4 : KSB) * NR;
+}
+/* Bytes of one 32-k group's weights in a K-quant panel. */
+static inline int ksb_group_bytes(int format) {
+    return (format == Q4K_PANELS ? 16 : format == Q6K_PANELS ? 24 : 32) * NR;
 }
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
@@ -243,13 +248,13 @@ static inline __attribute__((always_inline)) const v8iu *block_at(const void *pa
             v8i w = *(const v8iu *)(lanes + g / 2 * NR * 4);
             *d0 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2));
             *d1 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2) + 1);
-            *m0 = *m1 = (v8f){0};
+            *m0 = -32.0f * *d0, *m1 = -32.0f * *d1; /* the weights hold q + 32; d (q + 32) - 32 d is exact */
         } else {
             v8i sc = *(const v8iu *)(lanes + g / 4 * NR * 4), mn = *(const v8iu *)(lanes + (2 + g / 4) * NR * 4);
             *d0 = *d1 = load8(d + 8 * v) * __builtin_convertvector((sc >> (8 * (g % 4))) & 255, v8f);
             *m0 = *m1 = -(load8(d + NR + 8 * v) * __builtin_convertvector((mn >> (8 * (g % 4))) & 255, v8f));
         }
-        return (const v8iu *)(sb + ksb_header(format) + (int64_t)g * (format == Q4K_PANELS ? 16 : 32) * NR);
+        return (const v8iu *)(sb + ksb_header(format) + (int64_t)g * ksb_group_bytes(format));
     }
     const float *s = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
     const int halves = format == Q6M_PANELS, with_m = format != Q8_PANELS;
@@ -261,10 +266,19 @@ static inline __attribute__((always_inline)) const v8iu *block_at(const void *pa
 }
 
 /* Whether a block format's values are d q + m (else d q), and whether its weights are nibbles (else bytes). */
-static inline int block_with_m(int format) {
-    return format != Q8_PANELS && format != Q6K_PANELS;
+static inline int block_with_m(int format) { return format != Q8_PANELS; }
+static inline int block_nibbles(int format) {
+    return format == Q4_PANELS || format == Q4K_PANELS || format == Q6K_PANELS;
 }
-static inline int block_nibbles(int format) { return format == Q4_PANELS || format == Q4K_PANELS; }
+
+/* Q6K's high two bits: after a group's four nibble words, two words a column (Q6_HIGH), word j / 2 for nibble words
+ * j and j + 1 (j even): byte i of it holds the high bits of the values in nibbles 2 i and 2 i + 1 of nibble word j
+ * (bits 0-1, 2-3) and of word j + 1 (bits 4-5, 6-7). One shift and one mask then put a nibble's high bits beside
+ * it, for the exact products (q6_high) as for the int8 ones (four a lane). */
+#define Q6_HIGH 4 /* index (in vectors of NV) of a Q6K group's first high word */
+static inline v8i q6_high(v8i h, int g, int kk) { /* bits 4-5: the high bits of nibble kk of nibble word g */
+    return ((h >> (8 * (kk / 2) + 4 * (g % 2) + 2 * (kk % 2))) & 3) << 4;
+}
 
 /* BF16 panels hold weights whose low 16 bits are zero (a bf16 checkpoint loaded as fp32) at half the bytes: the
  * high halves, two consecutive k of one column in each 32-bit lane, the even k in the low half (as int8 panels put
@@ -278,6 +292,12 @@ static inline v8f bf16_lane(v8i w, int kk) { return (v8f)(kk ? w & -65536 : w <<
  * weight. */
 static inline v8f q4_lane(v8i w, int kk, v8f d, v8f m) {
     return d * __builtin_convertvector((w >> (4 * kk)) & 15, v8f) + m;
+}
+
+/* Weight kk (0..7) of nibble word g of a Q6K group, its high bits from h: d (q + 32) - 32 d, where both products and
+ * the result d q have at most 24 significant bits (an 18-bit d times 6 bits), so the add rounds to the exact d q. */
+static inline v8f q6_lane(v8i w, v8i h, int g, int kk, v8f d, v8f m) {
+    return d * __builtin_convertvector(((w >> (4 * kk)) & 15) | q6_high(h, g, kk), v8f) + m;
 }
 
 /* Weight kk (0..3) of each lane of a Q8 byte vector, dequantized: d q, exact (an fp16 d times a 7-bit q). */
@@ -340,14 +360,19 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                 if (g == Q4_GROUP / per_word / 2) /* the second 16 k: their own scales, where a format has such */
 #pragma GCC unroll 4
                     for (int v = 0; v < NV; v++) d[v] = d1[v], m[v] = m1[v];
+                v8i h[NV];
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) w[v] = words[g * NV + v];
+                for (int v = 0; v < NV; v++) {
+                    w[v] = words[g * NV + v];
+                    h[v] = format == Q6K_PANELS ? words[(Q6_HIGH + g / 2) * NV + v] : (v8i){0};
+                }
 #pragma GCC unroll 8
                 for (int kk = 0; kk < per_word; kk++) {
 #pragma GCC unroll 4
                     for (int v = 0; v < NV; v++)
-                        b[v] = nibbles ? q4_lane(w[v], kk, d[v], m[v])
-                                       : with_m ? q8_lane(w[v], kk, d[v]) + m[v] : q8_lane(w[v], kk, d[v]);
+                        b[v] = format == Q6K_PANELS ? q6_lane(w[v], h[v], g, kk, d[v], m[v])
+                               : nibbles ? q4_lane(w[v], kk, d[v], m[v])
+                                         : with_m ? q8_lane(w[v], kk, d[v]) + m[v] : q8_lane(w[v], kk, d[v]);
                     accumulate(rows, c, x, ldx, k + per_word * g + kk, b);
                 }
             }
@@ -394,10 +419,11 @@ static void unpack(const void *panel, int kc, float *out, int format) {
             for (int g = 0; g < Q8_GROUP / per_word; g++) {
                 const int second = g >= Q8_GROUP / per_word / 2; /* k 16..31: their own scales, where such */
                 v8f d = second ? d1 : d0, m = second ? m1 : m0;
-                v8i w = words[g * NV + v];
+                v8i w = words[g * NV + v], h = format == Q6K_PANELS ? words[(Q6_HIGH + g / 2) * NV + v] : (v8i){0};
 #pragma GCC unroll 8
                 for (int kk = 0; kk < per_word; kk++) {
-                    v8f value = nibbles ? q4_lane(w, kk, d, m) : q8_lane(w, kk, d);
+                    v8f value = format == Q6K_PANELS ? q6_lane(w, h, g, kk, d, m)
+                                : nibbles ? q4_lane(w, kk, d, m) : q8_lane(w, kk, d);
                     if (!nibbles && with_m) value += m;
                     store8(out + (int64_t)(k + per_word * g + kk) * NR + 8 * v, value);
                 }
@@ -789,7 +815,7 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
                                                                    int format, int dot) {
     const int nibbles = block_nibbles(format), unsigned_bytes = !nibbles && dot == Q8X_VNNI;
     const v8i offset_bits = splat8i(unsigned_bytes ? (int)0x80808080 : 0);
-    const v8f offset = splat8(unsigned_bytes ? 128.0f : 0.0f);
+    const v8f offset = splat8(format == Q6K_PANELS ? 32.0f : unsigned_bytes ? 128.0f : 0.0f); /* Q6K holds q + 32 */
     v8f c[MR][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
@@ -816,6 +842,8 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
                     if (nibbles) { /* nibble word 2 h + t / 2: its low nibbles (even k), then its high (odd k) */
                         v8i w = words[(2 * h + t / 2) * NV + v];
                         u[v] = (t % 2 ? w >> 4 : w) & splat8i(0x0f0f0f0f);
+                        if (format == Q6K_PANELS) /* and their high bits, from bits 2 (2 (t / 2) + t % 2) */
+                            u[v] |= ((words[(Q6_HIGH + h) * NV + v] >> (2 * t)) & splat8i(0x03030303)) << 4;
                     } else {
                         u[v] = words[(4 * h + t) * NV + v] ^ offset_bits;
                     }
@@ -837,7 +865,8 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     v8f dot = __builtin_convertvector(acc[i][v], v8f) - offset * sum; /* exact: |.| < 2^24 */
-                    c[i][v] += d[h][v] * (dot * dx) + m[h][v] * dsum;
+                    /* Q6K's m is the -32 d of its offset, taken off in the integers instead */
+                    c[i][v] += format == Q6K_PANELS ? d[h][v] * (dot * dx) : d[h][v] * (dot * dx) + m[h][v] * dsum;
                 }
             }
         }

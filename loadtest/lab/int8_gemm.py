@@ -28,7 +28,9 @@ from engine.models.quantized import QuantizedWeight
 from kernels import cpu
 from loadtest.models import random_blocks
 
-TYPES = {"Q4_K": [Q.Q4_K], "Q6_K": [Q.Q6_K], "Q8_0": [Q.Q8_0], "Q4_K+Q6_K": [Q.Q4_K, Q.Q6_K]}
+# "Q6M": rows of two types stacked in one kind wide enough for both, as a fused projection of more than two runs of
+# types is held (two runs, as Q4_K_M's q/k/v, are two panels: engine/models/quantized.py, SplitBlocks)
+TYPES = {"Q4_K": [Q.Q4_K], "Q6_K": [Q.Q6_K], "Q8_0": [Q.Q8_0], "Q6M": [Q.Q4_K, Q.Q6_K]}
 
 
 def weights(n: int, k: int, folder: Path) -> dict[str, QuantizedWeight]:
