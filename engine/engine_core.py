@@ -7,11 +7,13 @@ process. Tokenization happens outside; requests arrive as token ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from concurrent import futures
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.backends import resolve_dtype, select_backend
 from engine.block_manager import BlockManager
@@ -48,10 +50,10 @@ class EngineCore:
         self.model_name = files.name
         self.model_path = files.source
         self.hf_config = load_config(files)
-        self.tokenizer = load_tokenizer(files)
-        self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
+        self._files = files
+        self.eos_token_ids = eos_token_ids(files, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.vocab_size, self.eos_token_ids)
         # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
         self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
         self.max_model_len = self._max_model_len()
@@ -106,6 +108,12 @@ class EngineCore:
         self.memory_ledger = self._memory_ledger(probe)
         for line in self.memory_ledger.lines():
             logger.info(line)
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """Built on first use: the engine itself needs it only for a grammar's token masks (the server's API process
+        has its own), and a large vocabulary's takes transformers ~5 s and ~350 MB."""
+        return load_tokenizer(self._files)
 
     def serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False,
                                num_early: int = 0) -> float:

@@ -11,7 +11,8 @@ than folded into a part. Nothing here is inferred from RSS except what says so:
   peak resident set above what was resident before them (the C heap trimmed first, and the peak reset through
   ``/proc/self/clear_refs``), or on a GPU the allocator's peak above what it held before them;
 - CUDA graphs: the memory pool the captures reserved;
-- runtime (host): resident before the model was built: the interpreter, torch, the tokenizer.
+- runtime (host): resident before the model was built: the interpreter and torch (the tokenizer is built later, with
+  the first grammar, if ever).
 """
 
 from __future__ import annotations

@@ -239,14 +239,39 @@ def iter_weights(files: ModelFiles, config: PretrainedConfig) -> Iterator[tuple[
                 yield name, f.get_tensor(name)
 
 
-def eos_token_ids(files: ModelFiles, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def eos_token_ids(files: ModelFiles, config: PretrainedConfig,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
+    """The tokens a request stops at: the generation config's, the model config's and the tokenizer's EOS (read from
+    its files where ``tokenizer`` is not given)."""
     ids: set[int] = set()
-    for source in (_generation_config_eos(files), getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+    tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else tokenizer_eos_id(files)
+    for source in (_generation_config_eos(files), getattr(config, "eos_token_id", None), tokenizer_eos):
         if isinstance(source, int):
             ids.add(source)
         elif source:
             ids.update(int(i) for i in source)
     return frozenset(ids)
+
+
+def tokenizer_eos_id(files: ModelFiles) -> int | None:
+    """The tokenizer's EOS id read from its files (``tokenizer_config.json`` names the token, ``tokenizer.json``
+    numbers it), without building the tokenizer: transformers takes ~5 s and ~350 MB for a large vocabulary, which an
+    engine process needs only for a request's grammar (``EngineCore.tokenizer``). Where the files do not say, the
+    tokenizer is built and asked."""
+    try:
+        eos = json.loads((files.path / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            table = json.loads((files.path / "tokenizer.json").read_text())
+            found = {t["content"]: t["id"] for t in table.get("added_tokens", [])}.get(eos)
+            vocab = table.get("model", {}).get("vocab")
+            if found is None and isinstance(vocab, dict):
+                found = vocab.get(eos)
+            if isinstance(found, int):
+                return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return load_tokenizer(files).eos_token_id
 
 
 def _generation_config_eos(files: ModelFiles) -> int | list[int] | None:

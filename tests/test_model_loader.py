@@ -1,5 +1,9 @@
 """The default model's GGUF file is the authority for its special tokens, whatever transformers' converter says."""
 
+import dataclasses
+import json
+import shutil
+
 from transformers import AutoTokenizer
 
 from engine.model_loader import (
@@ -9,6 +13,7 @@ from engine.model_loader import (
     load_tokenizer,
     resolve_model,
     set_gguf_special_tokens,
+    tokenizer_eos_id,
 )
 
 
@@ -25,3 +30,21 @@ def test_the_default_model_stops_only_at_im_end():
     files = resolve_model(None)
     tokenizer = load_tokenizer(files)
     assert eos_token_ids(files, load_config(files), tokenizer) == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_the_tokenizers_eos_is_read_from_its_files_as_the_tokenizer_has_it(smollm2_path, tmp_path):
+    """An engine process starts without building its tokenizer: the EOS it stops at comes from the files, and is
+    the one the built tokenizer names; where the files do not name it, the tokenizer is built and asked."""
+    files = resolve_model(None)
+    assert tokenizer_eos_id(files) == load_tokenizer(files).eos_token_id == 2
+    assert eos_token_ids(files, load_config(files)) == eos_token_ids(files, load_config(files), load_tokenizer(files))
+    bare = tmp_path / "bare"
+    shutil.copytree(files.path, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<|endoftext|>"}  # the other form transformers writes
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_eos_id(dataclasses.replace(files, path=bare)) == 0
+    del config["eos_token"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_eos_id(dataclasses.replace(files, path=bare)) == load_tokenizer(
+        dataclasses.replace(files, path=bare)).eos_token_id

@@ -163,7 +163,7 @@ def greedy(grammar: StructuredOutputsParams | None) -> SamplingParams:
 def expected(engine, hf_model, chat_ids) -> list[list[int]]:
     """transformers' greedy generate under xgrammar's logits processor (the same grammars, compiled for the same
     end-of-sequence tokens), and plain greedy for the plain requests."""
-    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(lambda: engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
     refs = []
     for ids, grammar in zip(chat_ids, GRAMMARS, strict=True):
         with torch.inference_mode():
