@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import partial
 
 import numpy as np
@@ -154,8 +154,7 @@ class TensorEntry:
 def tensor_table(reader: GGUFReader) -> dict:
     """The file's architecture and tensors, as JSON can hold them (``TensorEntry`` fields)."""
     return {"architecture": reader.fields["general.architecture"].contents(),
-            "tensors": [[t.name, int(t.tensor_type), [int(n) for n in reversed(t.shape)], int(t.data_offset),
-                         int(t.n_bytes)] for t in reader.tensors]}
+            "tensors": [list(astuple(_entry(t))) for t in reader.tensors]}
 
 
 def decode(tensor: ReaderTensor) -> QuantizedWeight | torch.Tensor:
