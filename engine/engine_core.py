@@ -50,10 +50,13 @@ class EngineCore:
         self.model_name = files.name
         self.model_path = files.source
         self.hf_config = load_config(files)
-        self._files = files
+        # Built on first use: the engine itself needs it only for a grammar's token masks (the server's API process
+        # has its own), and a large vocabulary's takes transformers ~5 s and ~350 MB. Not a method of the engine: the
+        # compiler holding one would make a cycle, and the engine (its KV pool) would outlive its last reference.
+        self._tokenizer = functools.cache(functools.partial(load_tokenizer, files))
         self.eos_token_ids = eos_token_ids(files, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
-        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self._tokenizer, self.vocab_size, self.eos_token_ids)
         # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
         self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
         self.max_model_len = self._max_model_len()
@@ -109,11 +112,9 @@ class EngineCore:
         for line in self.memory_ledger.lines():
             logger.info(line)
 
-    @functools.cached_property
+    @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """Built on first use: the engine itself needs it only for a grammar's token masks (the server's API process
-        has its own), and a large vocabulary's takes transformers ~5 s and ~350 MB."""
-        return load_tokenizer(self._files)
+        return self._tokenizer()
 
     def serve_made_up_prompts(self, key: int, num_prompts: int, length: int, sampled: bool = False,
                                num_early: int = 0) -> float:
