@@ -781,29 +781,63 @@ struct q8x_row {
     const int32_t *sums;
 };
 
+/* One 32-k group of a row rounded to int8: its d, the sums of q over k 0..15 and 16..31, and its bytes in the
+ * layout of q8x_row. */
+static inline void quantize_group_q8x(const float *xb, int nibbles, int8_t *out, float *d, int32_t *sums) {
+#ifdef __AVX2__
+    /* The scalar loop's bits: a max is exact, and cvtps rounds to nearest even as lrintf does. Why: the scalar
+     * loop (a libm call per fmaxf and lrintf) was 19% of a 64-client step of SmolLM2-135M with int8 products. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        x[j] = _mm256_loadu_ps(xb + 8 * j);
+        amax = _mm256_max_ps(_mm256_andnot_ps(sign, x[j]), amax); /* a NaN is skipped, as fmaxf skips it */
+    }
+    amax = _mm256_max_ps(amax, _mm256_permute2f128_ps(amax, amax, 1));
+    amax = _mm256_max_ps(amax, _mm256_shuffle_ps(amax, amax, 0x4e));
+    amax = _mm256_max_ps(amax, _mm256_shuffle_ps(amax, amax, 0xb1));
+    const float db = _mm256_cvtss_f32(amax) / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    /* nibble layout: word 2 j holds the even k of 8 j .. 8 j + 7, word 2 j + 1 the odd */
+    const __m256i order = nibbles ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) {
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(inv)));
+        q[j] = _mm256_min_epi32(_mm256_max_epi32(q[j], lo), hi);
+    }
+    v8i s0 = (v8i)q[0] + (v8i)q[1], s1 = (v8i)q[2] + (v8i)q[3];
+    sums[0] = s0[0] + s0[1] + s0[2] + s0[3] + s0[4] + s0[5] + s0[6] + s0[7];
+    sums[1] = s1[0] + s1[1] + s1[2] + s1[3] + s1[4] + s1[5] + s1[6] + s1[7];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_permutevar8x32_epi32(q[j], order);
+    /* packs interleave 128-bit lanes: 32-bit word i of the bytes is (vector i % 4, half i / 4); put them in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)out,
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *d = db;
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < Q8_GROUP; k++) amax = fmaxf(amax, fabsf(xb[k]));
+    const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+    int32_t s0 = 0, s1 = 0;
+    for (int k = 0; k < Q8_GROUP; k++) {
+        long r = lrintf(xb[k] * inv);
+        int8_t q = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+        if (k < Q8_GROUP / 2) s0 += q; else s1 += q;
+        out[nibbles ? (k / 8 * 2 + k % 2) * 4 + k % 8 / 2 : k] = q; /* nibble order: k = 8 j + 2 i + o: word 2 j + o */
+    }
+    *d = db;
+    sums[0] = s0, sums[1] = s1;
+#endif
+}
+
 static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nibbles, int32_t *words, float *d,
                               int32_t *sums) {
     const int blocks = K / Q8_GROUP;
 #pragma omp parallel for schedule(static) if ((int64_t)M * K >= 65536)
     for (int m = 0; m < M; m++)
         for (int b = 0; b < blocks; b++) {
-            const float *xb = x + m * ldx + b * Q8_GROUP;
-            float amax = 0.0f;
-            for (int k = 0; k < Q8_GROUP; k++) amax = fmaxf(amax, fabsf(xb[k]));
-            const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
-            int8_t q[Q8_GROUP];
-            int32_t s0 = 0, s1 = 0;
-            for (int k = 0; k < Q8_GROUP; k++) {
-                long r = lrintf(xb[k] * inv);
-                q[k] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
-                if (k < Q8_GROUP / 2) s0 += q[k]; else s1 += q[k];
-            }
-            int8_t *out = (int8_t *)(words + ((int64_t)m * blocks + b) * 8);
-            for (int k = 0; k < Q8_GROUP; k++) /* nibble order: k = 8 j + 2 i + o goes to word 2 j + o, byte i */
-                out[nibbles ? (k / 8 * 2 + k % 2) * 4 + k % 8 / 2 : k] = q[k];
-            d[(int64_t)m * blocks + b] = db;
-            sums[((int64_t)m * blocks + b) * 2] = s0;
-            sums[((int64_t)m * blocks + b) * 2 + 1] = s1;
+            const int64_t i = (int64_t)m * blocks + b;
+            quantize_group_q8x(x + m * ldx + b * Q8_GROUP, nibbles, (int8_t *)(words + i * 8), d + i, sums + 2 * i);
         }
 }
 
