@@ -855,19 +855,22 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
+    /* Integer sums over each run of k with one weight scale (16 k for Q6K and Q6M, else 32), then one fix-up */
+    const int halves = format == Q6K_PANELS || format == Q6M_PANELS;
     for (int k = 0; k < kc; k += Q8_GROUP) {
         const int b = b0 + k / Q8_GROUP;
         const v8iu *words = 0;
         v8f d[2][NV], m[2][NV];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) words = block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);
+        v8i acc[MR][NV];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            v8i acc[MR][NV];
+            if (h == 0 || halves)
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++)
+                for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};
+                    for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) { /* activation word 4 h + t */
                 v8i u[NV];
@@ -891,16 +894,19 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
                         acc[i][v] = dot == Q8X_VNNI ? dot_u8s8(acc[i][v], u[v], xq) : dot_s8s8(acc[i][v], u[v], xq);
                 }
             }
+            if (h == 0 && !halves) continue;
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
                 if (i >= rows) break;
-                const float dx = a[i].d[b], sum = (float)a[i].sums[2 * b + h];
-                const v8f dsum = splat8(dx * sum);
+                const int32_t *sums = a[i].sums + 2 * b;
+                const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
+                const v8f dx = splat8(a[i].d[b]), dsum = splat8(a[i].d[b] * sum);
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     v8f dot = __builtin_convertvector(acc[i][v], v8f) - offset * sum; /* exact: |.| < 2^24 */
+                    c[i][v] += d[h][v] * (dot * dx);
                     /* Q6K's m is the -32 d of its offset, taken off in the integers instead */
-                    c[i][v] += format == Q6K_PANELS ? d[h][v] * (dot * dx) : d[h][v] * (dot * dx) + m[h][v] * dsum;
+                    if (format != Q6K_PANELS && block_with_m(format)) c[i][v] += m[h][v] * dsum;
                 }
             }
         }
