@@ -930,9 +930,10 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
         const float *b = bias && last ? bias + n0 : 0;
         /* NOTE: one body per format and dot product, the row count a runtime bound, and one more for a single row
          * (a one-stream decode): there the general body keeps MR rows' sums in registers it cannot have, and with
-         * the sums of a whole 32 k live its spills made a 1-row Q4_K product 1.6x slower. A body per row count
-         * (28 in all) had added 5 s to every build of the library for no measurable speed. */
-        if (m1 - m0 == 1)
+         * the sums of a whole 32 k live its spills made a 1-row Q4_K product 1.6x slower. Not for Q6M, whose 1-row
+         * product that body made ~1.5x slower (four scale vectors a block). A body per row count (28 in all) had
+         * added 5 s to every build of the library for no measurable speed. */
+        if (m1 - m0 == 1 && format != Q6M_PANELS)
             micro_kernel_q8x(1, rows + m0, k0 / Q8_GROUP, panel, kc, y + m0 * ldy + n0, ldy, cols, b, k0 == 0,
                              format, dot);
         else
