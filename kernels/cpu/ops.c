@@ -799,7 +799,8 @@ static inline void quantize_group_q8x(const float *xb, int nibbles, int8_t *out,
     const float db = _mm256_cvtss_f32(amax) / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
     const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
     /* nibble layout: word 2 j holds the even k of 8 j .. 8 j + 7, word 2 j + 1 the odd */
-    const __m256i order = nibbles ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i order = nibbles ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+                                  : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i q[4];
     for (int j = 0; j < 4; j++) {
         q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(inv)));
