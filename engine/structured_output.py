@@ -86,8 +86,8 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary into per-request ``Grammar``s. xgrammar
     caches what it compiled, so a schema sent again costs only a new matcher."""
 
-    def __init__(self, tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: Iterable[int]) -> None:
-        self.tokenizer = tokenizer  # the tokenizer, built when the first grammar needs it
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.load_tokenizer = load_tokenizer  # called when the first grammar needs the tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler = None
@@ -101,7 +101,7 @@ class GrammarCompiler:
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer(), vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
             # NOTE: one thread: the steps use the cores too. The cache is bounded: a server that sees a new schema in
             # every request must not grow without end.
