@@ -118,18 +118,23 @@ def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(ggu
     assert torch.equal(cpu.embed_rows(packed, ids, 40), dense[ids])
 
 
+def int8_test_weight(gguf_tensors, kind) -> QuantizedWeight:
+    """The file's tensor of ``kind`` (40 x 512), or for "Q4_K+Q6_K" 20 rows of each fused (Q6M panels)."""
+    if kind != "Q4_K+Q6_K":
+        return decode(gguf_tensors[kind.name])
+    weight = QuantizedWeight.cat([decode(gguf_tensors["Q4_K"]).rows(slice(0, 20)),
+                                  decode(gguf_tensors["Q6_K"]).rows(slice(0, 20))])
+    assert weight.kind == "q6m"
+    return weight
+
+
 @pytest.mark.skipif(not cpu.q8x_available(), reason="needs u8 x s8 dot products (AVX512-VNNI or AVX-VNNI)")
 @pytest.mark.parametrize("kind", [*F16_AT, "Q4_K+Q6_K"], ids=lambda k: getattr(k, "name", k))
 def test_int8_activation_products_are_within_their_rounding_of_the_exact_ones(gguf_tensors, kind):
     """``--quantized-matmul int8`` (llama.cpp's way): per 32 inputs the activations are rounded to int8, so each
     product may move by up to half a step (max |x| / 254) per input; measured against a float64 matmul, relative
     to the sum of |x w| it is ~1e-3. Other panels ignore the flag."""
-    if kind == "Q4_K+Q6_K":  # a fused projection of both (Q6M panels)
-        weight = QuantizedWeight.cat([decode(gguf_tensors["Q4_K"]).rows(slice(0, 20)),
-                                      decode(gguf_tensors["Q6_K"]).rows(slice(0, 20))])
-        assert weight.kind == "q6m"
-    else:
-        weight = decode(gguf_tensors[kind.name])
+    weight = int8_test_weight(gguf_tensors, kind)
     packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
     dense = weight.dequantize().double()
     torch.manual_seed(0)
@@ -142,6 +147,22 @@ def test_int8_activation_products_are_within_their_rounding_of_the_exact_ones(gg
         assert float(((ours - reference).abs() / (bound * 254)).max()) < 5e-3
     fp32 = cpu.pack_weight(weight.dequantize())
     assert torch.equal(cpu.linear(x, fp32, 40, int8_activations=True), cpu.linear(x, fp32, 40))
+
+
+@pytest.mark.skipif(not cpu.q8x_available(), reason="needs integer dot products")
+@pytest.mark.parametrize("kind", [*F16_AT, "Q4_K+Q6_K"], ids=lambda k: getattr(k, "name", k))
+def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(gguf_tensors, kind):
+    """A product takes its rows through different kernel bodies by how many there are (one row alone; groups of
+    eight where there are 32 vector registers; groups of four; a narrower last panel), yet each row's outputs have
+    the same bits whatever else is in the batch, as the exact products' have."""
+    weight = int8_test_weight(gguf_tensors, kind)
+    packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
+    torch.manual_seed(0)
+    x = torch.randn(21, 512) * torch.rand(21, 1) * 10
+    whole = cpu.linear(x, packed, 40, int8_activations=True)
+    assert torch.equal(whole, torch.cat([cpu.linear(x[i:i + 1], packed, 40, int8_activations=True)
+                                         for i in range(21)]))
+    assert torch.equal(whole[3:], cpu.linear(x[3:], packed, 40, int8_activations=True))  # groups begin elsewhere
 
 
 @pytest.mark.skipif(len(cpu.q8x_dots()) < 2, reason="needs both VNNI and AVX2 dot products")
