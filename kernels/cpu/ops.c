@@ -904,7 +904,8 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
                 const v8f dx = splat8(a[i].d[b]), dsum = splat8(a[i].d[b] * sum);
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
-                    v8f dot = __builtin_convertvector(acc[i][v], v8f) - offset * sum; /* exact: |.| < 2^24 */
+                    v8f dot = __builtin_convertvector(acc[i][v], v8f);
+                    if (offset[0] != 0.0f) dot -= offset * sum; /* exact: |.| < 2^24; none for nibbles (x - 0 = x) */
                     c[i][v] += d[h][v] * (dot * dx);
                     /* Q6K's m is the -32 d of its offset, taken off in the integers instead */
                     if (format != Q6K_PANELS && block_with_m(format)) c[i][v] += m[h][v] * dsum;
@@ -984,7 +985,8 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x_wide(const st
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     v8f c = load8(tile[i] + 8 * v);
-                    v8f dot = __builtin_convertvector(acc[i][v], v8f) - splat8(offset) * sum;
+                    v8f dot = __builtin_convertvector(acc[i][v], v8f);
+                    if (offset != 0.0f) dot -= splat8(offset) * sum;
                     c += d[h][v] * (dot * dx);
                     if (format != Q6K_PANELS && block_with_m(format)) c += m[h][v] * dsum;
                     store8(tile[i] + 8 * v, c);
