@@ -167,7 +167,7 @@ class EngineCore:
 
     def _memory_ledger(self, probe: LedgerProbe) -> MemoryLedger:
         pool = [t for pair in self.kv_cache.layers for t in pair]
-        pool_bytes = sum(t.untyped_storage().nbytes() for t in pool)
+        pool_bytes = sum(t.nbytes for t in pool)  # on a CPU all views of one mapping (engine/kv_cache.py)
         if pool_bytes != self.kv_cache.num_bytes:  # the formula is the pool, or the ledger lies
             raise AssertionError(f"KV pool holds {pool_bytes} bytes, its formula says {self.kv_cache.num_bytes}")
         weights = held_tensor_bytes([self.model, *self.backend.weight_holders()], self.device, exclude=pool)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,33 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+HUGE_PAGE = 2 << 20
+
+
+def host_pools(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, list[torch.Tensor]]:
+    """``count`` zeroed host tensors of ``shape`` in one anonymous mapping advised onto 2 MiB pages before anything
+    touches it (the kernel's zero pages), returned with the mapping, which must outlive them. Why: a decode step
+    reads each sequence's blocks from all over the pool, and on 4 KiB pages the first load of nearly every block
+    missed the TLB. Mapped like this, a 64-sequence bf16 decode attention took ~7% less time (docs/benchmarks.md);
+    advised after torch had zeroed the pages, almost none became huge pages. Where 2 MiB pages are off, or the
+    kernel refuses the advice, these are plain pages and nothing else changes."""
+    each = torch.Size(shape).numel() * dtype.itemsize
+    each += -each % 64  # each pool on a cache line of its own
+    mapping = mmap.mmap(-1, count * each + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: shmem
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE  # the pools from a 2 MiB boundary, so whole huge pages cover them
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:  # a kernel built without transparent huge pages
+            logger.debug("KV pool: no 2 MiB pages (%s)", e)
+    pools = [buffer[start + i * each: start + i * each + torch.Size(shape).numel() * dtype.itemsize]
+             .view(dtype).view(shape) for i in range(count)]
+    for pool in pools:  # written now, as torch.zeros would: the pool is resident from the start, not at the first OOM
+        pool.zero_()
+    return mapping, pools
+
+
 class KVCache:
     """Holds the pools. Zero-initialised so that slots never written hold finite values (masked reads stay finite)."""
 
@@ -62,10 +90,12 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
+        if device.type == "cpu":
+            self._mapping, pools = host_pools(2 * spec.num_layers, shape, spec.dtype)
+            self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(pools[0::2], pools[1::2], strict=True))
+        else:
+            self.layers = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+                            torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
 
     @property
     def num_tokens(self) -> int:
