@@ -806,9 +806,11 @@ static inline void quantize_group_q8x(const float *xb, int nibbles, int8_t *out,
         q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(inv)));
         q[j] = _mm256_min_epi32(_mm256_max_epi32(q[j], lo), hi);
     }
-    v8i s0 = (v8i)q[0] + (v8i)q[1], s1 = (v8i)q[2] + (v8i)q[3];
-    sums[0] = s0[0] + s0[1] + s0[2] + s0[3] + s0[4] + s0[5] + s0[6] + s0[7];
-    sums[1] = s1[0] + s1[1] + s1[2] + s1[3] + s1[4] + s1[5] + s1[6] + s1[7];
+    /* the sums over k 0..15 and 16..31: pairs, then fours, then the two 128-bit halves */
+    __m256i s = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    s = _mm256_hadd_epi32(s, s);
+    const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    _mm_storel_epi64((__m128i *)sums, s2);
     for (int j = 0; j < 4; j++) q[j] = _mm256_permutevar8x32_epi32(q[j], order);
     /* packs interleave 128-bit lanes: 32-bit word i of the bytes is (vector i % 4, half i / 4); put them in order */
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
