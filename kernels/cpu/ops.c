@@ -844,77 +844,107 @@ static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nib
         }
 }
 
+/* The NV weight vectors that meet activation word 4 h + t of a 32-k block: nibble word 2 h + t / 2's low nibbles
+ * (even k) or high (odd k), with Q6K's high bits from bits 2 (2 (t / 2) + t % 2); or bytes, made unsigned where
+ * offset_bits says so. */
+static inline __attribute__((always_inline)) void q8x_weights(const v8iu *words, int h, int t, int format,
+                                                              v8i offset_bits, v8i u[NV]) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        if (block_nibbles(format)) {
+            v8i w = words[(2 * h + t / 2) * NV + v];
+            u[v] = (t % 2 ? w >> 4 : w) & splat8i(0x0f0f0f0f);
+            if (format == Q6K_PANELS)
+                u[v] |= ((words[(Q6_HIGH + h) * NV + v] >> (2 * t)) & splat8i(0x03030303)) << 4;
+        } else {
+            u[v] = words[(4 * h + t) * NV + v] ^ offset_bits;
+        }
+    }
+}
+
+/* One row's integer sums of a run of k with one weight scale (half h of block b), folded into its float sums c:
+ *     c += d_w (d_x (Σ u qx - offset Σ qx)) (+ m_w d_x Σ qx)
+ * Every body does exactly this, so a row's outputs do not depend on the body its batch took. */
+static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8i acc[NV], const struct q8x_row *a,
+                                                             int b, int h, const v8f d[NV], const v8f m[NV],
+                                                             float offset, int format) {
+    const int halves = format == Q6K_PANELS || format == Q6M_PANELS;
+    const int32_t *sums = a->sums + 2 * b;
+    const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
+    const v8f dx = splat8(a->d[b]), dsum = splat8(a->d[b] * sum);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        v8f dot = __builtin_convertvector(acc[v], v8f);
+        if (offset != 0.0f) dot -= splat8(offset) * sum; /* exact: |.| < 2^24; none for nibbles (x - 0 = x) */
+        c[v] += d[v] * (dot * dx);
+        /* Q6K's m is the -32 d of its offset, taken off in the integers instead */
+        if (format != Q6K_PANELS && block_with_m(format)) c[v] += m[v] * dsum;
+    }
+}
+
+/* The integer sums of ``rows`` rows (at most R) of one panel slice (kc x NR) from block b0 on, each run of k with one
+ * weight scale (16 k for Q6K and Q6M, else 32) summed in integers, then handed to fix_up(i, h, d, m, acc[i]).
+ * ``format``, ``dot`` and ``early`` constant per instance. ``early``: read the block's scales before its sums (one
+ * row: registers to spare), else after them. */
+#define Q8X_SUMS(R, rows, a, b0, panel, kc, format, dot, early, fix_up)                                               \
+    do {                                                                                                              \
+        const int unsigned_bytes_ = !block_nibbles(format) && (dot) == Q8X_VNNI;                                      \
+        const v8i offset_bits_ = splat8i(unsigned_bytes_ ? (int)0x80808080 : 0);                                      \
+        const int halves_ = (format) == Q6K_PANELS || (format) == Q6M_PANELS;                                         \
+        for (int k = 0; k < (kc); k += Q8_GROUP) {                                                                    \
+            const int b = (b0) + k / Q8_GROUP;                                                                        \
+            v8f d[2][NV], m[2][NV];                                                                                   \
+            const v8iu *words = block_at(panel, k, format, 0, &d[0][0], &d[1][0], &m[0][0], &m[1][0]);              \
+            if (early)                                                                                                \
+                _Pragma("GCC unroll 4") for (int v = 1; v < NV; v++)                                                  \
+                    block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);                            \
+            v8i acc[R][NV];                                                                                           \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                                     \
+                if (h == 0 || halves_)                                                                                \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < (R); i++)                                             \
+                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};                    \
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) { /* activation word 4 h + t */                   \
+                    v8i u[NV];                                                                                        \
+                    q8x_weights(words, h, t, format, offset_bits_, u);                                                \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < (R); i++) {                                           \
+                        if (i >= (rows)) break;                                                                       \
+                        const v8i xq = splat8i((a)[i].words[(int64_t)b * 8 + 4 * h + t]);                             \
+                        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[i][v] =                              \
+                            (dot) == Q8X_VNNI ? dot_u8s8(acc[i][v], u[v], xq) : dot_s8s8(acc[i][v], u[v], xq);        \
+                    }                                                                                                 \
+                }                                                                                                     \
+                if (h == 0 && !halves_) continue;                                                                     \
+                if (!(early))                                                                                         \
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                              \
+                        block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);                        \
+                _Pragma("GCC unroll 8") for (int i = 0; i < (R); i++) {                                               \
+                    if (i >= (rows)) break;                                                                           \
+                    fix_up(i, h, d[h], m[h], acc[i]);                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+    } while (0)
+
+/* The offset the integer sums carry: Q6K's weights hold q + 32; bytes made unsigned, q + 128. */
+static inline float q8x_offset(int format, int dot) {
+    return format == Q6K_PANELS ? 32.0f : !block_nibbles(format) && dot == Q8X_VNNI ? 128.0f : 0.0f;
+}
+
 /* y[rows, cols] (+)= the rows' int8 activations . one panel slice (kc x NR) from block b0 on: the store / add / bias
- * steps of micro_kernel. */
+ * steps of micro_kernel. Its float sums stay in registers. ``early`` as Q8X_SUMS's. */
 static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, const struct q8x_row *a, int b0,
                                                                    const void *panel, int kc, float *y, int64_t ldy,
                                                                    int cols, const float *bias, int first,
-                                                                   int format, int dot) {
-    const int nibbles = block_nibbles(format), unsigned_bytes = !nibbles && dot == Q8X_VNNI;
-    const v8i offset_bits = splat8i(unsigned_bytes ? (int)0x80808080 : 0);
-    const v8f offset = splat8(format == Q6K_PANELS ? 32.0f : unsigned_bytes ? 128.0f : 0.0f); /* Q6K holds q + 32 */
+                                                                   int format, int dot, int early) {
+    const float offset = q8x_offset(format, dot);
     v8f c[MR][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
-    /* Integer sums over each run of k with one weight scale (16 k for Q6K and Q6M, else 32), then one fix-up */
-    const int halves = format == Q6K_PANELS || format == Q6M_PANELS;
-    for (int k = 0; k < kc; k += Q8_GROUP) {
-        const int b = b0 + k / Q8_GROUP;
-        const v8iu *words = 0;
-        v8f d[2][NV], m[2][NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) words = block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);
-        v8i acc[MR][NV];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            if (h == 0 || halves)
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++)
-#pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) { /* activation word 4 h + t */
-                v8i u[NV];
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    if (nibbles) { /* nibble word 2 h + t / 2: its low nibbles (even k), then its high (odd k) */
-                        v8i w = words[(2 * h + t / 2) * NV + v];
-                        u[v] = (t % 2 ? w >> 4 : w) & splat8i(0x0f0f0f0f);
-                        if (format == Q6K_PANELS) /* and their high bits, from bits 2 (2 (t / 2) + t % 2) */
-                            u[v] |= ((words[(Q6_HIGH + h) * NV + v] >> (2 * t)) & splat8i(0x03030303)) << 4;
-                    } else {
-                        u[v] = words[(4 * h + t) * NV + v] ^ offset_bits;
-                    }
-                }
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) {
-                    if (i >= rows) break;
-                    const v8i xq = splat8i(a[i].words[(int64_t)b * 8 + 4 * h + t]);
-#pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++)
-                        acc[i][v] = dot == Q8X_VNNI ? dot_u8s8(acc[i][v], u[v], xq) : dot_s8s8(acc[i][v], u[v], xq);
-                }
-            }
-            if (h == 0 && !halves) continue;
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                if (i >= rows) break;
-                const int32_t *sums = a[i].sums + 2 * b;
-                const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
-                const v8f dx = splat8(a[i].d[b]), dsum = splat8(a[i].d[b] * sum);
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    v8f dot = __builtin_convertvector(acc[i][v], v8f);
-                    if (offset[0] != 0.0f) dot -= offset * sum; /* exact: |.| < 2^24; none for nibbles (x - 0 = x) */
-                    c[i][v] += d[h][v] * (dot * dx);
-                    /* Q6K's m is the -32 d of its offset, taken off in the integers instead */
-                    if (format != Q6K_PANELS && block_with_m(format)) c[i][v] += m[h][v] * dsum;
-                }
-            }
-        }
-    }
+#define FIX_UP(i, h, d, m, acc) q8x_fix_up(c[i], acc, a + (i), b, h, d, m, offset, format)
+    Q8X_SUMS(MR, rows, a, b0, panel, kc, format, dot, early, FIX_UP);
+#undef FIX_UP
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         if (i >= rows) break;
@@ -926,76 +956,28 @@ static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, con
 /* Rows of the wide Q8X body: its integer sums (MRQ x NV) take 24 of the 32 vector registers, so its float sums live
  * in a tile in L1 instead, loaded and stored once a weight scale. Where there are 16 registers it is not compiled. */
 #define MRQ 8
-/* micro_kernel_q8x for MRQ rows and a whole panel (cols == NR), with the same operations in the same order, so each
- * row's outputs have the same bits. Why: at 64 rows the 4-row body kept its 24 sums in 32 registers with its scales,
- * its spills were a third of its loads, and its products ran at ~30% of the dot product's rate. */
+/* micro_kernel_q8x for MRQ rows and a whole panel (cols == NR). Why: at 64 rows the 4-row body kept its 24 sums in
+ * 32 registers with its scales, its spills were a third of its loads, and its products ran at ~30% of the dot
+ * product's rate. */
 static inline __attribute__((always_inline)) void micro_kernel_q8x_wide(const struct q8x_row *a, int b0,
                                                                         const void *panel, int kc, float *y,
                                                                         int64_t ldy, const float *bias, int first,
                                                                         int format, int dot) {
-    const int nibbles = block_nibbles(format), unsigned_bytes = !nibbles && dot == Q8X_VNNI;
-    const v8i offset_bits = splat8i(unsigned_bytes ? (int)0x80808080 : 0);
-    const float offset = format == Q6K_PANELS ? 32.0f : unsigned_bytes ? 128.0f : 0.0f;
-    const int halves = format == Q6K_PANELS || format == Q6M_PANELS;
+    const float offset = q8x_offset(format, dot);
     float tile[MRQ][NR] __attribute__((aligned(32)));
 #pragma GCC unroll 8
     for (int i = 0; i < MRQ; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) store8(tile[i] + 8 * v, (v8f){0});
-    for (int k = 0; k < kc; k += Q8_GROUP) {
-        const int b = b0 + k / Q8_GROUP;
-        v8f d[2][NV], m[2][NV]; /* read once the sums are done: while they run, every register holds a sum */
-        const v8iu *words = block_at(panel, k, format, 0, &d[0][0], &d[1][0], &m[0][0], &m[1][0]);
-        v8i acc[MRQ][NV];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            if (h == 0 || halves)
-#pragma GCC unroll 8
-                for (int i = 0; i < MRQ; i++)
-#pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++) acc[i][v] = (v8i){0};
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                v8i u[NV];
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    if (nibbles) {
-                        v8i w = words[(2 * h + t / 2) * NV + v];
-                        u[v] = (t % 2 ? w >> 4 : w) & splat8i(0x0f0f0f0f);
-                        if (format == Q6K_PANELS)
-                            u[v] |= ((words[(Q6_HIGH + h) * NV + v] >> (2 * t)) & splat8i(0x03030303)) << 4;
-                    } else {
-                        u[v] = words[(4 * h + t) * NV + v] ^ offset_bits;
-                    }
-                }
-#pragma GCC unroll 8
-                for (int i = 0; i < MRQ; i++) {
-                    const v8i xq = splat8i(a[i].words[(int64_t)b * 8 + 4 * h + t]);
-#pragma GCC unroll 4
-                    for (int v = 0; v < NV; v++)
-                        acc[i][v] = dot == Q8X_VNNI ? dot_u8s8(acc[i][v], u[v], xq) : dot_s8s8(acc[i][v], u[v], xq);
-                }
-            }
-            if (h == 0 && !halves) continue;
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);
-#pragma GCC unroll 8
-            for (int i = 0; i < MRQ; i++) {
-                const int32_t *sums = a[i].sums + 2 * b;
-                const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
-                const v8f dx = splat8(a[i].d[b]), dsum = splat8(a[i].d[b] * sum);
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    v8f c = load8(tile[i] + 8 * v);
-                    v8f dot = __builtin_convertvector(acc[i][v], v8f);
-                    if (offset != 0.0f) dot -= splat8(offset) * sum;
-                    c += d[h][v] * (dot * dx);
-                    if (format != Q6K_PANELS && block_with_m(format)) c += m[h][v] * dsum;
-                    store8(tile[i] + 8 * v, c);
-                }
-            }
-        }
-    }
+#define FIX_UP(i, h, d, m, acc)                                                                                       \
+    do {                                                                                                              \
+        v8f c[NV];                                                                                                    \
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) c[v] = load8(tile[i] + 8 * v);                           \
+        q8x_fix_up(c, acc, a + (i), b, h, d, m, offset, format);                                                      \
+        _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) store8(tile[i] + 8 * v, c[v]);                           \
+    } while (0)
+    Q8X_SUMS(MRQ, MRQ, a, b0, panel, kc, format, dot, 0, FIX_UP);
+#undef FIX_UP
 #pragma GCC unroll 8
     for (int i = 0; i < MRQ; i++) {
         v8f c[NV];
@@ -1023,7 +1005,7 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
          * added 5 s to every build of the library for no measurable speed. */
         if (m1 - m0 == 1 && format != Q6M_PANELS)
             micro_kernel_q8x(1, rows + m0, k0 / Q8_GROUP, panel, kc, y + m0 * ldy + n0, ldy, cols, b, k0 == 0,
-                             format, dot);
+                             format, dot, 1);
         else {
             int m = m0;
 #ifdef MRQ
@@ -1034,7 +1016,7 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
 #endif
             for (; m < m1; m += MR)
                 micro_kernel_q8x(m1 - m < MR ? m1 - m : MR, rows + m, k0 / Q8_GROUP, panel, kc, y + m * ldy + n0,
-                                 ldy, cols, b, k0 == 0, format, dot);
+                                 ldy, cols, b, k0 == 0, format, dot, 0);
         }
     }
 }
