@@ -118,28 +118,30 @@ def test_an_engine_that_cannot_start_exits_the_server_non_zero_with_the_reason()
     assert "exceeds what the model supports" in message
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_engine_death_mid_request_fails_the_request(stream):
+def test_engine_death_mid_request_fails_the_request():
+    """Streamed and not, one after the other on one server (each death is followed by a new engine)."""
     server = ServerProcess("--max-model-len", "512")
     try:
-        body = {**LONG, "max_tokens": 400, "stream": stream}
+        for stream in (False, True):
+            body = {**LONG, "max_tokens": 400, "stream": stream}
 
-        async def run() -> httpx.Response | str:
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-                task = asyncio.create_task(http.post("/v1/completions", json=body))
-                await until_engine_reports(http, running=1, waiting=0)
-                os.kill(server.engine_pid(), signal.SIGKILL)
-                return await task
+            async def run(body=body) -> httpx.Response:
+                async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                    task = asyncio.create_task(http.post("/v1/completions", json=body))
+                    await until_engine_reports(http, running=1, waiting=0)
+                    os.kill(server.engine_pid(), signal.SIGKILL)
+                    return await task
 
-        r = asyncio.run(run())
-        if stream:
-            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-            error = json.loads(r.text.split("data: ")[-2])["error"]
-        else:
-            assert r.status_code == 503 and r.headers["retry-after"]
-            error = r.json()["error"]
-        assert error["type"] == "service_unavailable" and "the request was lost, retry it" in error["message"]
-        assert wait_served(server.base_url, 90) < 90  # and the server goes on
+            r = asyncio.run(run())
+            if stream:
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+                error = json.loads(r.text.split("data: ")[-2])["error"]
+            else:
+                assert r.status_code == 503 and r.headers["retry-after"]
+                error = r.json()["error"]
+            assert error["type"] == "service_unavailable" and "the request was lost, retry it" in error["message"], \
+                stream
+            assert wait_served(server.base_url, 90) < 90  # and the server goes on
     finally:
         server.stop()
 
