@@ -12,6 +12,7 @@ from DRAM too.
     python -m loadtest.lab.kernel_ab HEAD WORKTREE --rows 1,64 --context 192,1024
     python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
     python -m loadtest.lab.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
+    python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --int8-activations --rows 1,64 --seqs 1  # int8 products
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
@@ -39,6 +40,7 @@ from kernels.cpu import (
     _FLAGS,
     _HEADERS,
     _SOURCES,
+    HP_Q8X,
     KV_FORMATS,
     WEIGHT_FORMATS,
     _build,
@@ -102,11 +104,11 @@ def packed(dll: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_round(dll: ctypes.CDLL, weights: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, y: torch.Tensor,
-               rows: int) -> float:
+               rows: int, flags: int = 0) -> float:
     start = time.perf_counter()
     for w, n, k in weights:
-        dll.hp_linear_packed(WEIGHT_FORMATS[w.dtype], x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n,
-                             k)
+        dll.hp_linear_packed(WEIGHT_FORMATS[w.dtype] | flags, x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n,
+                             rows, n, k)
     return time.perf_counter() - start
 
 
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
     p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="block panels (--format q4, q8) multiply activations rounded to int8 (--quantized-matmul int8)")
     args = p.parse_args(argv)
     known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
     kv_names = args.kv_dtype.split(",")
@@ -206,10 +210,12 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
             y = torch.empty(rows, s.vocab)
             flop = sum(2.0 * rows * n * k for n, k in shapes)
-            runs = [partial(gemm_round, d, pk, x, y, rows) for d, pk in zip(dlls, packs, strict=True)]
+            flags = HP_Q8X if args.int8_activations else 0
+            runs = [partial(gemm_round, d, pk, x, y, rows, flags) for d, pk in zip(dlls, packs, strict=True)]
             times = interleave(runs, args.rounds)
-            report(f"GEMMs of one step ({s.layers} layers and the LM head, {args.format} panels), {rows} rows",
-                   args.variants, times, flop)
+            kind = f"{args.format} panels" + (", int8 activations" if flags else "")
+            report(f"GEMMs of one step ({s.layers} layers and the LM head, {kind}), {rows} rows", args.variants, times,
+                   flop)
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
                 pools = [Pool.make(s, seqs, context, gen, known[name]) for name in kv_names]
