@@ -128,5 +128,5 @@ def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prom
           f"{matched / sum(map(len, expected)):.2f} of tokens before the first divergence; first divergence / "
           f"transformers' length: {firsts}")
     assert identical >= len(prompt_ids) // 2
-    alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids[::3]]
-    assert [o.outputs[0].token_ids for o in outs][::3] == alone
+    alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids[::4]]
+    assert [o.outputs[0].token_ids for o in outs][::4] == alone
