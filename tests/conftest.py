@@ -67,6 +67,33 @@ def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
     return ids
 
 
+def greedy_agreement(hf_model, prompt_ids: list[list[int]], outs, refs: list[list[int]]) -> tuple[int, int, list[str]]:
+    """How far our greedy outputs (``outs``, generated with logprobs=5) follow transformers' (``refs``) on
+    ``prompt_ids``: (prompts identical to the end, tokens before each first divergence summed, "first / length" per
+    prompt). Asserts that every divergence is a near tie: each side's token is among the other's top 5. An output
+    that stops at EOS where the other goes on diverges there (no token to compare)."""
+    identical = matched = 0
+    firsts = []
+    for ids, out, ref in zip(prompt_ids, outs, refs, strict=True):
+        ours = out.outputs[0]
+        first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref, strict=False)) if a != b), None)
+        if first is None and len(ours.token_ids) != len(ref):
+            first = min(len(ours.token_ids), len(ref))
+        firsts.append(f"{len(ref) if first is None else first}/{len(ref)}")
+        if first is None:
+            identical += 1
+            matched += len(ref)
+            continue
+        matched += first
+        if first == min(len(ours.token_ids), len(ref)):
+            continue
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + ref[:first]])).logits[0, -1].float()
+        assert ours.token_ids[first] in logits.topk(5).indices.tolist(), (ids, first)
+        assert ref[first] in ours.logprobs[first], (ids, first)
+    return identical, matched, firsts
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None) -> list[int]:
     """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do. With
     ``kv_dtype``, every K/V value is rounded to it as it enters the cache, and attention reads the rounded values

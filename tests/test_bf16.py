@@ -16,7 +16,7 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu
-from tests.conftest import hf_greedy
+from tests.conftest import greedy_agreement, hf_greedy
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler for kernels/cpu")
 
@@ -175,20 +175,8 @@ def test_bf16_greedy_agrees_with_transformers_bf16_until_a_near_tie(bf16_llm, sm
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
     outs = bf16_llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5))
-    matched = identical = 0
-    for ids, out in zip(prompt_ids, outs, strict=True):
-        ref = hf_greedy(hf, ids, MAX_NEW)
-        ours = out.outputs[0]
-        first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref, strict=False)) if a != b), None)
-        if first is None:
-            identical += 1
-            matched += len(ref)
-            continue
-        matched += first
-        with torch.inference_mode():
-            logits = hf(torch.tensor([ids + ref[:first]])).logits[0, -1].float()
-        assert ours.token_ids[first] in logits.topk(5).indices.tolist(), (ids, first)
-        assert ref[first] in ours.logprobs[first], (ids, first)
+    refs = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+    identical, matched, _ = greedy_agreement(hf, prompt_ids, outs, refs)
     print(f"bfloat16 vs transformers bfloat16: {identical}/{len(prompt_ids)} identical for {MAX_NEW} tokens, "
           f"{matched / (MAX_NEW * len(prompt_ids)):.2f} of tokens before the first divergence")
     assert identical >= len(prompt_ids) // 2

@@ -9,7 +9,7 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu
-from tests.conftest import hf_greedy
+from tests.conftest import greedy_agreement, hf_greedy
 
 MAX_NEW = 40
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2: layers x kv_heads x head_dim, fp32, 16-token blocks
@@ -107,23 +107,7 @@ def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prom
     llm = LLM(None, quantized_matmul="int8")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate(prompt_ids, params)
-    matched = identical = 0
-    firsts = []
-    for ids, out, ref in zip(prompt_ids, outs, expected, strict=True):
-        ours = out.outputs[0]
-        first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref, strict=False)) if a != b), None)
-        if first is None and len(ours.token_ids) != len(ref):  # one stopped at EOS where the other went on
-            first = min(len(ours.token_ids), len(ref))
-        firsts.append(f"{len(ref) if first is None else first}/{len(ref)}")
-        if first is None:
-            identical += 1
-            matched += len(ref)
-            continue
-        matched += first
-        with torch.inference_mode():
-            logits = hf_smollm2(torch.tensor([ids + ref[:first]])).logits[0, -1]
-        assert ours.token_ids[first] in logits.topk(5).indices.tolist(), (ids, first)
-        assert ref[first] in ours.logprobs[first], (ids, first)
+    identical, matched, firsts = greedy_agreement(hf_smollm2, prompt_ids, outs, expected)
     print(f"int8 products vs transformers fp32: {identical}/{len(prompt_ids)} identical for {MAX_NEW} tokens, "
           f"{matched / sum(map(len, expected)):.2f} of tokens before the first divergence; first divergence / "
           f"transformers' length: {firsts}")
