@@ -23,8 +23,15 @@ PREFIX = "You are the assistant of a shop that sells harpoons, ropes and boats. 
 
 @pytest.fixture(scope="module")
 def cluster():
-    replicas = [ServerProcess("--max-model-len", "1024", "--num-threads", "1", "--log-level", "warning")
-                for _ in range(2)]
+    replicas = [ServerProcess("--max-model-len", "1024", "--num-threads", "1", "--log-level", "warning", wait=False)
+                for _ in range(2)]  # started side by side, a core each
+    try:
+        for r in replicas:
+            r.wait_healthy()
+    except Exception:
+        for r in replicas:
+            r.stop()
+        raise
     port = free_port()
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),

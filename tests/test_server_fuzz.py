@@ -20,7 +20,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--max-num-seqs", "16", "--max-model-len", "1024", "--max-waiting-requests", "64")
+    s = ServerProcess("--max-num-seqs", "16", "--max-model-len", "1024", "--max-waiting-requests", "64",
+                      "--kv-cache-memory", "1GiB")  # 16 x 1024 tokens: no preemption
     yield s
     s.stop()
 
