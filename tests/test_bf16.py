@@ -16,7 +16,7 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu
-from tests.conftest import greedy_agreement, hf_greedy
+from tests.conftest import greedy_agreement, hf_greedy, quick
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler for kernels/cpu")
 
@@ -154,7 +154,7 @@ def bf16_llm():
     # NOTE: the C family's one-call decoder attends each prompt token as its own query, so a token's bits do not
     # depend on how its prompt was chunked beside others. Where the plan takes oneDNN, prefill chunks go through
     # torch's SDPA, whose bits do; bfloat16's rounding of the products' inputs can then tip a near tie.
-    return LLM(None, dtype="bfloat16", gemm_kernels="c")
+    return LLM(None, **quick(dtype="bfloat16", gemm_kernels="c"))
 
 
 def test_bf16_greedy_tokens_do_not_depend_on_the_batch(bf16_llm, prompt_ids):

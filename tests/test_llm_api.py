@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, quick
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    return LLM(**quick())
 
 
 def assert_pool_free(llm: LLM) -> None:
@@ -80,7 +80,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf_smollm2):
 
 
 def test_prompt_logprobs_survive_chunked_prefill(llm):
-    chunked, whole = LLM(max_num_batched_tokens=7), llm
+    chunked, whole = LLM(**quick(max_num_batched_tokens=7)), llm
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     a = chunked.generate(PROMPTS[6], params)[0].prompt_logprobs
     b = whole.generate(PROMPTS[6], params)[0].prompt_logprobs
@@ -153,7 +153,7 @@ def test_request_larger_than_the_pool_is_rejected_not_looped():
 
 
 def test_max_tokens_none_runs_to_the_context_limit():
-    short = LLM(max_model_len=40)
+    short = LLM(**quick(max_model_len=40))
     ids = short.tokenizer.encode(PROMPTS[0])
     out = short.generate([ids], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert len(ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
@@ -161,7 +161,7 @@ def test_max_tokens_none_runs_to_the_context_limit():
 
 def test_a_step_that_samples_nothing(llm):
     """A lone prompt longer than the step budget: its first steps only write K/V and sample nothing."""
-    chunked = LLM(max_num_batched_tokens=16)
+    chunked = LLM(**quick(max_num_batched_tokens=16))
     long_prompt = PROMPTS[7] * 2
     out = chunked.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.prompt_token_ids) > 3 * 16 and len(out.outputs[0].token_ids) == 4

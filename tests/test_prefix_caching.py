@@ -7,7 +7,7 @@ from engine.block_manager import BlockManager
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.scheduler import Scheduler
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, quick
 
 BS = 4
 
@@ -118,7 +118,7 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely, and say so
 
 @pytest.fixture(scope="module")
 def llms():
-    return LLM(enable_prefix_caching=False), LLM(enable_prefix_caching=True)
+    return LLM(**quick(enable_prefix_caching=False)), LLM(**quick(enable_prefix_caching=True))
 
 
 def greedy(llm: LLM, prompts: list, n: int = 1, max_tokens: int = 24) -> list[list[list[int]]]:

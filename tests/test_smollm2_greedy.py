@@ -9,7 +9,7 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu
-from tests.conftest import greedy_agreement, hf_greedy
+from tests.conftest import greedy_agreement, hf_greedy, quick
 
 MAX_NEW = 40
 BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2: layers x kv_heads x head_dim, fp32, 16-token blocks
@@ -39,7 +39,7 @@ def run_staggered(engine: EngineCore, prompt_ids: list[list[int]], arrival_steps
 
 def engine_with(**options) -> EngineCore:
     """The default model on the C panels (their formats are checked below), whatever the start-up plan would take."""
-    return EngineCore(EngineConfig(model=None, gemm_kernels="c", **options))
+    return EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick(**options)))
 
 
 ARRIVALS = [0, 0, 1, 3, 3, 7, 12, 20]  # later requests join while earlier ones are decoding
@@ -104,7 +104,7 @@ def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prom
     llama.cpp does: not exact. Measured on the test prompts (printed; docs/benchmarks.md): where its tokens first
     differ from transformers' fp32, each side's token is among the other's top 5 (a near tie, the rounding tipping
     it), and most prompts are identical to the end. Its tokens do not depend on the batch."""
-    llm = LLM(None, quantized_matmul="int8")
+    llm = LLM(None, **quick(quantized_matmul="int8"))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate(prompt_ids, params)
     identical, matched, firsts = greedy_agreement(hf_smollm2, prompt_ids, outs, expected)
