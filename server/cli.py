@@ -104,15 +104,23 @@ class _DrainingServer(uvicorn.Server):
 
 async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     files = resolve_model(args.model)  # in this process first: a GGUF file's config and tokenizer are read once, here
-    tokenizer = load_tokenizer(files)
     if args.enable_debug_routes and not engine_args.get("request_timelines"):
         engine_args = {**engine_args, "request_timelines": DEFAULT_CAPACITY}
     config = EngineConfig.from_kwargs(model=str(files.source), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
+    # The tokenizer loads while the engine starts: transformers took ~4 s over a 128K vocabulary (Llama 3's), and the
+    # engine's first seconds are its imports, on one core of the two.
+    tokenizer_loaded = asyncio.create_task(asyncio.to_thread(load_tokenizer, files))
     try:
         info = await client.start()
     except RuntimeError as e:
+        await asyncio.gather(tokenizer_loaded, return_exceptions=True)  # the engine's reason is the one to report
         raise EngineStartError(str(e)) from None
+    try:
+        tokenizer = await tokenizer_loaded
+    except BaseException:
+        await client.shutdown()
+        raise
     name = args.served_model_name or files.name
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
     auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
