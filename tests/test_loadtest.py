@@ -291,3 +291,14 @@ def test_gemm_lab_prints_every_candidate_per_shape_and_batch(capsys):
     assert len(rows) == 4 and all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
     assert all(float(v) > 0 for r in rows for v in r.strip("| ").split(" | ")[2:])
     assert "C fp32 | C bf16" in out and "peak" in out and "ISA:" in out
+
+
+def test_gguf_pack_lab_times_one_tensor_of_each_block_type(small_q4_k_m, capsys):
+    from kernels import cpu
+    from loadtest.lab.gguf_pack import main as gguf_pack_main
+
+    if not cpu.available():
+        pytest.skip("needs the C kernels")
+    gguf_pack_main(["--model", str(small_q4_k_m), "--rounds", "1"])
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert sorted(rows) == ["Q4_K", "Q6_K"]

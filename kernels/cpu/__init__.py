@@ -203,10 +203,12 @@ def pack_blocks(kind: str, values: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     return blocks.pack_bytes(kind, [d] if m is None else [d, m], values, width)
 
 
-def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Panels of a GGUF file's blocks read where they lie (``gguf_pack.c``): ``rows`` [N] int64, the address of each
     output row's first block (ggml type ``ggml_type``, ``in_features`` inputs a row), in a mapping that outlives the
-    call. The same panels as ``pack_blocks`` of the decoded blocks."""
+    call. The same panels as ``pack_blocks`` of the decoded blocks; written into ``out`` where given (a lab's
+    repetitions)."""
     dtype = blocks.GGUF_PANEL_DTYPES.get(ggml_type)
     if dtype is None:
         raise ValueError(f"ggml type {ggml_type} has no panel format")
@@ -220,7 +222,11 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int) -> torc
         block_bytes = blocks.q4_block_bytes(width) if dtype == torch.uint8 else blocks.q8_block_bytes(width, scales)
     if in_features % per:
         raise ValueError(f"ggml type {ggml_type}: {in_features} inputs are not whole blocks of {per}")
-    out = torch.empty(cdiv(n, width), in_features // per, block_bytes // dtype.itemsize, dtype=dtype)
+    shape = (cdiv(n, width), in_features // per, block_bytes // dtype.itemsize)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {shape}")
     written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
     if written != out.numel() * dtype.itemsize:
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel() * dtype.itemsize}")

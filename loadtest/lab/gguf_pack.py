@@ -1,0 +1,46 @@
+"""How fast a GGUF file's blocks are packed into panels at load (``kernels/cpu/gguf_pack.c``), per block type: the
+first tensor of each type in the file, packed once to fault its pages in, then timed over the same pages (the
+file's in the page cache, the panels' already resident), so the figure is the packing alone.
+
+    python -m loadtest.lab.gguf_pack --model ~/.cache/harpoon/random-models/llama-3.1-8b-q4_k_m-seed0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from gguf import GGUFReader
+
+from engine.backends.gemm_plan import cpu_isa
+from kernels import cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a .gguf file")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    reader, seen = GGUFReader(args.model), set()
+    print(f"packing a GGUF file's blocks into panels ({cpu_isa()}, {torch.get_num_threads()} threads)")
+    print("| type | tensor | MiB | best ms | GB/s of file |\n|---|---|---|---|---|")
+    for t in reader.tensors:
+        if t.tensor_type in seen or len(t.shape) != 2 or int(t.tensor_type) not in cpu.blocks.GGUF_PANEL_DTYPES:
+            continue
+        seen.add(t.tensor_type)
+        n, k = int(t.shape[1]), int(t.shape[0])
+        rows = torch.arange(n, dtype=torch.int64) * (t.data.nbytes // n) + t.data.ctypes.data
+        out = cpu.pack_gguf_rows(int(t.tensor_type), rows, k)
+        times = []
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            cpu.pack_gguf_rows(int(t.tensor_type), rows, k, out)
+            times.append(time.perf_counter() - started)
+        best = min(times)
+        print(f"| {t.tensor_type.name} | {t.name} | {t.data.nbytes / 2**20:.0f} | {best * 1000:.1f} | "
+              f"{t.data.nbytes / best / 1e9:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
