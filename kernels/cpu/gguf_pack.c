@@ -56,6 +56,17 @@ static inline uint32_t nibble_word(const uint8_t *bytes, int high) {
     return (uint32_t)(x | x >> 16);
 }
 
+/* The bits 2 t, 2 t + 1 of 16 bytes of Q6_K's qh as one Q6_HIGH word: in byte i, field b (bits 2 b) from byte
+ * 8 (b / 2) + 2 i + b % 2. In 64-bit steps, as nibble_word: a value at a time, Q6_K packed at ~1.7 GB/s. */
+static inline uint32_t q6_high_word(const uint8_t *qh, int t) {
+    uint64_t a, b;
+    memcpy(&a, qh, 8), memcpy(&b, qh + 8, 8);
+    const uint64_t x = (a >> (2 * t) & 0x0303030303030303ull) | (b >> (2 * t) & 0x0303030303030303ull) << 4;
+    uint64_t z = (x | x >> 6) & 0x00FF00FF00FF00FFull; /* byte 2 i: fields of bytes 2 i and 2 i + 1 */
+    z = (z | z >> 8) & 0x0000FFFF0000FFFFull;
+    return (uint32_t)(z | z >> 16);
+}
+
 /* 16 bytes of nibbles, input i low and i + 16 high (Q4_0, Q4_1), as a Q4 block's four words. */
 static void put_split_nibbles(uint8_t *weights, int nr, int c, const uint8_t *qs) {
     for (int w = 0; w < 4; w++) put_word(weights, nr, c, w, nibble_word(qs + 8 * (w % 2), w / 2));
@@ -134,13 +145,7 @@ static void put_super(int type, const uint8_t *src, uint8_t *sb, int nr, int c) 
             uint8_t *group = weights + g * group_bytes;
             /* q + 32 as the file has it: the low four bits as nibble words, the high two as Q6_HIGH words */
             for (int w = 0; w < 4; w++) put_word(group, nr, c, w, nibble_word(ql + 8 * w, t / 2));
-            for (int j = 0; j < 2; j++) {
-                uint32_t word = 0;
-                for (int i = 0; i < 4; i++)
-                    for (int b = 0; b < 4; b++) /* b = 2 c + o: value k = 16 j + 8 c + 2 i + o */
-                        word |= (uint32_t)((qh[16 * j + 8 * (b / 2) + 2 * i + b % 2] >> (2 * t)) & 3) << (8 * i + 2 * b);
-                put_word(group + 16 * nr, nr, c, j, word);
-            }
+            for (int j = 0; j < 2; j++) put_word(group + 16 * nr, nr, c, j, q6_high_word(qh + 16 * j, t));
         }
         return;
     }
