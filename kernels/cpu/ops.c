@@ -1207,11 +1207,6 @@ static inline void prefetch_lines(const char *p, int64_t bytes) {
     for (int64_t i = 0; p && i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* Every 64-byte line of bytes at p on its way to L2. */
-static inline void prefetch_l2(const char *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
-}
-
 /* The cache block holding positions p0..end of a chunk, its lines loaded into this core's caches, and the chunk's
  * next block, if any, prefetched. NOTE: the pool is cold in a decode step (every weight streams through the caches
  * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25: its
@@ -1341,10 +1336,6 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
         const char *kb = touch_block(k_cache, table, p0, end, len, block_size, row, kv_format);
-        /* the same positions' V rows on their way to L2, for the V pass below: its blocks came cold from DRAM one
-         * at a time, and so decode attention took 8-15% less time at 1-64 sequences of 192-1024 positions, bf16
-         * pool (kernel_ab) */
-        prefetch_l2((const char *)v_cache + (kb - (const char *)k_cache), (int64_t)(end - p0) * row * size);
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
