@@ -15,12 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from engine.model_loader import reference_folder  # noqa: E402
 
+# What an engine of the default model starts with in a test (in process, or behind a test server, which passes them
+# as flags): a 512 MiB KV pool instead of the default 2 GiB, whose zeroing took up to 3 s of each start, and a fixed
+# token budget instead of the start-up probes that size it (~2 s; tests/test_token_budget.py tests those).
+QUICK_ENGINE = {"kv_cache_memory": 512 << 20, "max_num_batched_tokens": 512}
+
 
 def quick(**options) -> dict:
-    """Engine options for a test of the default model: a 512 MiB KV pool instead of the default 2 GiB, whose zeroing
-    took up to 3 s of each start, and a fixed token budget instead of the start-up probes that size it (~2 s;
-    tests/test_token_budget.py tests those). ``options`` override both."""
-    return {"kv_cache_memory": 512 << 20, "max_num_batched_tokens": 512, **options}
+    """``QUICK_ENGINE``, with ``options`` overriding it."""
+    return {**QUICK_ENGINE, **options}
 
 
 # Prompts of different lengths; the last ones span several 16-token blocks.

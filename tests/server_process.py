@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.conftest import QUICK_ENGINE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,10 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What a test server (and each engine it restarts) starts with unless the test passes its own: a 512 MiB KV pool
-# instead of the default 2 GiB, whose zeroing took 2-3 s of a start, and a fixed token budget instead of the
-# start-up probes that size it (~2 s; tests/test_token_budget.py tests those). A start took ~14 s before, ~10 s so.
-QUICK_START = ("--kv-cache-memory", "512MiB", "--max-num-batched-tokens", "512")
+# conftest.QUICK_ENGINE as flags, for a test server and each engine it restarts, unless the test passes its own: a
+# start took ~14 s without them, ~10 s with.
+QUICK_START = tuple(x for name, value in QUICK_ENGINE.items() for x in (f"--{name.replace('_', '-')}", str(value)))
 
 
 class ServerProcess:
