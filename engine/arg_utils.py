@@ -57,7 +57,8 @@ _HELP = {
     "dtype": "auto (bf16 on CUDA; on a CPU bf16 for a bf16 checkpoint where bf16 products measure faster, else fp32), "
     "float32, float16, bfloat16",
     "kv_cache_dtype": "auto (the model's dtype: exact), bfloat16 (twice the cached tokens in the same memory, but "
-    "greedy tokens may differ from the exact pool's)",
+    "greedy tokens may differ from the exact pool's), int8 (CPU only: 3.8x fp32's tokens, each value rounded to 1/254 "
+    "of its row's largest; tokens part from the exact pool's sooner)",
     "device": "auto, cpu, cuda, cuda:1, ...",
     "attention_backend": "auto (triton on CUDA, cpu for fp32 on a CPU with a C compiler, else torch), cpu, torch, "
     "triton",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cdiv
+from kernels import cdiv, kv_int8
 
 
 @dataclass
@@ -127,8 +127,8 @@ class TorchAttention:
         num_blocks = cdiv(max_len, block_size)
         table = block_tables[:, :num_blocks].long()
         # [nd, num_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys = kv_int8.read(k_cache[table], q.dtype).flatten(1, 2).transpose(1, 2)
+        values = kv_int8.read(v_cache[table], q.dtype).flatten(1, 2).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, L]
         out = F.scaled_dot_product_attention(
@@ -160,8 +160,8 @@ class TorchAttention:
         else:
             block_size = k_cache.shape[1]
             table = block_table[: cdiv(seq_len, block_size)].long()
-            keys = k_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
-            values = v_cache[table].flatten(0, 1)[:seq_len].to(q.dtype)
+            keys = kv_int8.read(k_cache[table].flatten(0, 1)[:seq_len], q.dtype)  # [seq_len, kv_heads, head_dim]
+            values = kv_int8.read(v_cache[table].flatten(0, 1)[:seq_len], q.dtype)
             # Query i sits at position num_cached + i and sees keys 0 ..= num_cached + i.
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(num_cached, seq_len, device=q.device)
@@ -180,7 +180,7 @@ class TorchAttention:
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """``x`` as a pool of ``cache``'s dtype holds it, back in ``x``'s dtype."""
-    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+    return x if cache.dtype == x.dtype else kv_int8.read(kv_int8.to_pool(x, cache.dtype), x.dtype)
 
 
 def store_kv(
@@ -190,5 +190,5 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, kv_int8.to_pool(k, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, kv_int8.to_pool(v, v_cache.dtype))

@@ -78,7 +78,9 @@ class EngineConfig:
     dtype: str = "auto"
     # The K/V pool's element type: "auto" (the model's dtype: exact, fp32 on a CPU) or "bfloat16" (half the bytes per
     # cached token, so twice the tokens in the same memory and less to read per decode step; each K/V value rounded
-    # to 8 significant bits, so greedy tokens can part from transformers' where two logits nearly tie).
+    # to 8 significant bits, so greedy tokens can part from transformers' where two logits nearly tie), or "int8"
+    # (a CPU's pool only: a quarter of fp32's bytes plus a scale per position and head, kernels/kv_int8.py; each value
+    # rounded to 1/254 of its row's largest, so tokens part sooner still).
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -131,8 +133,8 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory in bytes must be > 1, got {m}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or int8, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
 
@@ -149,10 +151,15 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The pool's dtype for a model running in ``dtype``."""
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The pool's dtype for a model running in ``dtype`` on ``device``."""
         if self.kv_cache_dtype == "auto":
             return dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 or bfloat16 model, got {dtype}")
+        if self.kv_cache_dtype == "int8":
+            if device.type != "cpu" or self.attention_backend == "triton":  # the Triton kernels read float pools only
+                raise ValueError(f"kv_cache_dtype int8 runs on a CPU's cpu or torch attention only (not {device}, "
+                                 f"{self.attention_backend}); use bfloat16 there")
+            return torch.int8
         return torch.bfloat16

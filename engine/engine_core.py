@@ -62,7 +62,7 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         probe = LedgerProbe(self.device)
         self.dtype = resolve_dtype(config, self.device, self.hf_config)
-        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device)
         tp = config.tensor_parallel_size
         shard = Shard(0, tp, self.hf_config) if tp > 1 else None  # checks the split before any process starts
         self.backend = select_backend(config, self.device, self.dtype)

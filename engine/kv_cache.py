@@ -1,4 +1,5 @@
-"""The preallocated paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The preallocated paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]
+(for an int8 pool, each head's row also holds its scale: ``kernels/kv_int8.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.models.llama import head_dim_of, num_kv_heads_of
+from kernels.kv_int8 import SCALE_BYTES, row_width
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +25,14 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    def row_width(self) -> int:
+        """Elements of a pool's last dimension (a head of one position)."""
+        return row_width(self.head_dim, self.dtype)
+
+    @property
     def bytes_per_token(self) -> int:
         # K and V, for every layer.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -89,7 +96,7 @@ class KVCache:
             )
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
         if device.type == "cpu":
             self._mapping, pools = host_pools(2 * spec.num_layers, shape, spec.dtype)
             self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(pools[0::2], pools[1::2], strict=True))
@@ -108,8 +115,11 @@ class KVCache:
     def formula(self) -> str:
         """The pool's size as the product it is: 2 (K and V) x layers x tokens x kv_heads x head_dim x bytes."""
         s = self.spec
-        return (f"2 x {s.num_layers} layers x {self.num_tokens} tokens x {s.num_kv_heads} kv_heads x {s.head_dim} "
-                f"head_dim x {s.dtype.itemsize} B")
+        row = f"{s.head_dim} head_dim"
+        if s.row_width != s.head_dim:
+            row = f"({row} + {SCALE_BYTES} scale)"
+        return (f"2 x {s.num_layers} layers x {self.num_tokens} tokens x {s.num_kv_heads} kv_heads x {row} x "
+                f"{s.dtype.itemsize} B")
 
     def describe(self) -> str:
         return (

@@ -208,7 +208,8 @@ def run_worker(args: WorkerArgs, pipe: Connection) -> None:
         return
     try:
         num_blocks = pipe.recv()
-        spec = KVCacheSpec.of_model(model.config, config.block_size, config.resolve_kv_cache_dtype(args.dtype))
+        kv_dtype = config.resolve_kv_cache_dtype(args.dtype, device)
+        spec = KVCacheSpec.of_model(model.config, config.block_size, kv_dtype)
         kv_cache = KVCache(spec, num_blocks, device)
         with torch.inference_mode():
             while (step := pickle.loads(pipe.recv_bytes())) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,16 +106,17 @@ def greedy_agreement(hf_model, prompt_ids: list[list[int]], outs, refs: list[lis
     return identical, matched, firsts
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None,
+              kv_round: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
     """transformers' greedy generate, one prompt at a time (no padding), stopping at EOS like we do. With
     ``kv_dtype``, every K/V value is rounded to it as it enters the cache, and attention reads the rounded values
-    (the prompt's own too), as a pool of that dtype holds them."""
+    (the prompt's own too), as a pool of that dtype holds them; ``kv_round`` rounds each [..., head_dim] instead."""
     from transformers import DynamicCache
 
     class RoundingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             def rounded(x):
-                return x.to(kv_dtype).to(x.dtype)
+                return kv_round(x) if kv_round is not None else x.to(kv_dtype).to(x.dtype)
 
             return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
 
@@ -126,7 +128,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_dtype: torch
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id,
-            past_key_values=RoundingCache(config=model.config) if kv_dtype is not None else None,
+            past_key_values=RoundingCache(config=model.config) if kv_dtype or kv_round else None,
         )
     return out[0, len(prompt_ids) :].tolist()
 

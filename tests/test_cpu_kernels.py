@@ -159,12 +159,13 @@ def test_auto_backend_picks_the_c_kernels_for_fp32_and_bf16_cpu():
 def test_kv_cache_dtype_is_the_models_or_bfloat16():
     from engine.config import EngineConfig
 
-    assert EngineConfig().resolve_kv_cache_dtype(torch.float32) == torch.float32
-    assert EngineConfig().resolve_kv_cache_dtype(torch.bfloat16) == torch.bfloat16
-    assert EngineConfig(kv_cache_dtype="bfloat16").resolve_kv_cache_dtype(torch.float32) == torch.bfloat16
+    cpu_dev = torch.device("cpu")
+    assert EngineConfig().resolve_kv_cache_dtype(torch.float32, cpu_dev) == torch.float32
+    assert EngineConfig().resolve_kv_cache_dtype(torch.bfloat16, cpu_dev) == torch.bfloat16
+    assert EngineConfig(kv_cache_dtype="bfloat16").resolve_kv_cache_dtype(torch.float32, cpu_dev) == torch.bfloat16
     with pytest.raises(ValueError, match="needs a float32 or bfloat16 model"):
-        EngineConfig(kv_cache_dtype="bfloat16").resolve_kv_cache_dtype(torch.float16)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or bfloat16, got 'fp8'"):
+        EngineConfig(kv_cache_dtype="bfloat16").resolve_kv_cache_dtype(torch.float16, cpu_dev)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16 or int8, got 'fp8'"):
         EngineConfig(kv_cache_dtype="fp8")
 
 

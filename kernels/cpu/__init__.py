@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cdiv
+from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
 
 _SOURCES = tuple(Path(__file__).with_name(name)
@@ -83,7 +83,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_float],
     "hp_rotary": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
-    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
+    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
@@ -163,16 +163,19 @@ WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", **blocks.BLOCK_PANEL_NAMES,
                 **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
-# enum hp_kv_format (ops.h) of each K/V pool dtype
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+# enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """The C kernels' code for a pair of K/V pools, which must be contiguous CPU tensors of one supported dtype."""
+def kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int | None = None) -> int:
+    """The C kernels' code for a pair of K/V pools, which must be contiguous CPU tensors of one supported dtype (and,
+    given ``head_dim``, rows of that many values)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype not in KV_FORMATS or t.dtype != k_cache.dtype or not t.is_cpu or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous CPU pool of float32 or bfloat16 like k_cache, got "
+            raise ValueError(f"{name}: expected a contiguous CPU pool of float32, bfloat16 or int8 like k_cache, got "
                              f"{t.dtype} on {t.device}")
+        if head_dim is not None and t.shape[-1] != kv_int8.row_width(head_dim, t.dtype):
+            raise ValueError(f"{name}: rows of {t.shape[-1]} elements do not hold a {t.dtype} head of {head_dim}")
     return KV_FORMATS[k_cache.dtype]
 
 
@@ -437,6 +440,7 @@ def paged_decode_attention(
     _check(block_tables, torch.int32, "block_tables")
     _check(seq_lens, torch.int32, "seq_lens")
     num_seqs, num_heads, head_dim = q.shape
+    kv_format(k_cache, v_cache, head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens must be contiguous")
@@ -548,7 +552,7 @@ def store_kv(
     _check_tokens(v, "v")
     t, heads, head_dim = k.shape
     _check(slot_mapping, torch.int64, "slot_mapping")
-    fmt = kv_format(k_cache, v_cache)
+    fmt = kv_format(k_cache, v_cache, head_dim)
     _library().hp_store_kv(
         k.data_ptr(),
         k.stride(0),
@@ -558,6 +562,7 @@ def store_kv(
         v_cache.data_ptr(),
         slot_mapping.data_ptr(),
         t,
-        heads * head_dim,
+        heads,
+        head_dim,
         fmt,
     )

@@ -79,7 +79,7 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
             }
         hp_rotary(qkv, qkv_size, positions, m->cos_cache, m->sin_cache, T, m->num_heads + m->num_kv_heads, D);
         hp_store_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, L->k_cache, L->v_cache, slots, T,
-                    kv_size, m->kv_format);
+                    m->num_kv_heads, D, m->kv_format);
         hp_paged_decode_attention(qkv, qkv_size, L->k_cache, L->v_cache, tables, table_stride, seq_lens, attn, q_size,
                                   T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale, m->kv_format);
         hp_linear_packed(L->o_format, attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);

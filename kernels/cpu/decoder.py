@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kernels import kv_int8
 from kernels.cpu import (
     HP_Q8X,
     WEIGHT_FORMATS,
@@ -165,7 +166,7 @@ class Decoder:
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Points the layers at their K/V pools [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Points the layers at their K/V pools [num_blocks, block_size, num_kv_heads, head_dim (+ int8 scale)]."""
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self._layers)} layers")
         s = self.shape
@@ -174,7 +175,8 @@ class Decoder:
             if kv_format(k, v) != fmt:
                 raise ValueError(f"kv_caches[{i}]: {k.dtype}, where layer 0's pools are {kv_caches[0][0].dtype}")
             for name, t in (("k", k), ("v", v)):
-                if t.dim() != 4 or t.shape[1:] != (block_size, s.num_kv_heads, s.head_dim):
+                row = kv_int8.row_width(s.head_dim, t.dtype)
+                if t.dim() != 4 or t.shape[1:] != (block_size, s.num_kv_heads, row):
                     raise ValueError(f"kv_caches[{i}].{name}: shape {tuple(t.shape)} does not match the model")
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
         self._struct.block_size, self._struct.kv_format = block_size, fmt

@@ -1215,9 +1215,8 @@ static inline void prefetch_lines(const char *p, int64_t bytes) {
  * 22-26% less time at 1-64 sequences of 192-1024 positions (python -m loadtest.lab.kernel_ab); touching whole chunks,
  * or 2-8 blocks at a time, was no better. */
 static inline const void *touch_block(const void *cache, const int32_t *table, int p0, int end, int len,
-                                      int block_size, int64_t row, int kv_format) {
-    const int64_t bytes = block_size * row * (kv_format == HP_KV_BF16 ? 2 : 4);
-    const int64_t used = (end - p0) * row * (kv_format == HP_KV_BF16 ? 2 : 4);
+                                      int block_size, int64_t row) {
+    const int64_t bytes = block_size * row, used = (end - p0) * row;
     const char *block = (const char *)cache + table[p0 / block_size] * bytes;
     const char *next = end < len ? (const char *)cache + table[p0 / block_size + 1] * bytes : NULL;
     typedef uint32_t word __attribute__((may_alias));
@@ -1229,11 +1228,26 @@ static inline const void *touch_block(const void *cache, const int32_t *table, i
     return block;
 }
 
-/* Eight consecutive K/V values from element i of a pool row, as fp32: loaded, or for a bfloat16 pool widened in the
- * register (exact). NOTE: widening each block into an fp32 copy first (the old staging) was half the attention's
- * time: GCC split the widening into three shuffles and a store per eight values. */
-static inline v8f kv8(const void *base, int64_t i, int bf16) {
-    if (!bf16) return load8((const float *)base + i);
+/* Bytes of one KV head's row of one position in a pool of kv_format: D values, and for int8 the row's scale after
+ * them (a float32: the row is d q, d = max |x| / 127). */
+static inline int64_t kv_head_bytes(int D, int kv_format) {
+    return kv_format == HP_KV_I8 ? D + (int64_t)sizeof(float) : (int64_t)D * (kv_format == HP_KV_BF16 ? 2 : 4);
+}
+
+/* Eight consecutive K/V values from element i of a head's row, as fp32: loaded, for a bfloat16 pool widened in the
+ * register (exact), for an int8 pool widened without its scale (kv_scale). NOTE: widening each block into an fp32
+ * copy first (the old staging) was half the attention's time: GCC split the widening into three shuffles and a store
+ * per eight values. */
+static inline v8f kv8(const void *base, int64_t i, int kv_format) {
+    if (kv_format == HP_KV_F32) return load8((const float *)base + i);
+    if (kv_format == HP_KV_I8) {
+#ifdef __AVX2__
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
+#else
+        typedef int8_t v8b __attribute__((vector_size(8), aligned(1)));
+        return __builtin_convertvector(*(const v8b *)((const int8_t *)base + i), v8f);
+#endif
+    }
 #ifdef __AVX2__
     return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))),
                                   16);
@@ -1244,16 +1258,24 @@ static inline v8f kv8(const void *base, int64_t i, int bf16) {
 #endif
 }
 
-/* dot(q, row) for a K row of either format, summed exactly as dot() sums fp32 rows. */
-static inline float dot_kv(const float *q, const void *k, int n, int bf16) {
-    if (!bf16) return dot(q, (const float *)k, n);
+/* The factor a head's row of D values carries: its scale in an int8 pool, else 1. */
+static inline float kv_scale(const void *base, int D, int kv_format) {
+    if (kv_format != HP_KV_I8) return 1.0f;
+    float d;
+    memcpy(&d, (const int8_t *)base + D, sizeof d);
+    return d;
+}
+
+/* dot(q, row) for a K row of any format (an int8 row without its scale), summed exactly as dot() sums fp32 rows. */
+static inline float dot_kv(const float *q, const void *k, int n, int kv_format) {
+    if (kv_format == HP_KV_F32) return dot(q, (const float *)k, n);
     v8f acc0 = {0}, acc1 = {0};
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        acc0 += load8(q + i) * kv8(k, i, 1);
-        acc1 += load8(q + i + 8) * kv8(k, i + 8, 1);
+        acc0 += load8(q + i) * kv8(k, i, kv_format);
+        acc1 += load8(q + i + 8) * kv8(k, i + 8, kv_format);
     }
-    for (; i + 8 <= n; i += 8) acc0 += load8(q + i) * kv8(k, i, 1);
+    for (; i + 8 <= n; i += 8) acc0 += load8(q + i) * kv8(k, i, kv_format);
     return hsum8(acc0 + acc1); /* n is a multiple of 8 */
 }
 
@@ -1263,12 +1285,12 @@ static inline float dot_kv(const float *q, const void *k, int n, int bf16) {
 #define ATT_GT 1 /* 16 registers: one head at a time */
 #endif
 
-/* Scores of positions p .. p+7 (rows k, k + row, ...) for G <= ATT_GT query heads qg (D apart): each K vector is
- * loaded once for all G heads. Per (head, position) the sum runs over the same 8-dim chunks and lane tree as a
- * single head's, so the bits do not depend on the tiling. */
-static inline __attribute__((always_inline)) void score_tile(const int D, int G, const float *qg, const void *k,
+/* Scores of positions p .. p+7 (head rows k, k + row, ... bytes) for G <= ATT_GT query heads qg (D apart): each K
+ * vector is loaded once for all G heads. Per (head, position) the sum runs over the same 8-dim chunks and lane tree
+ * as a single head's, so the bits do not depend on the tiling; an int8 row's scale multiplies its sum. */
+static inline __attribute__((always_inline)) void score_tile(const int D, int G, const float *qg, const char *k,
                                                              int64_t row, float *sg, int split, float scale,
-                                                             int bf16) {
+                                                             const int kv_format) {
     v8f acc[ATT_GT][8];
 #pragma GCC unroll 3
     for (int g = 0; g < ATT_GT; g++)
@@ -1279,23 +1301,27 @@ static inline __attribute__((always_inline)) void score_tile(const int D, int G,
         for (int g = 0; g < ATT_GT; g++)
             if (g < G) qv[g] = load8(qg + g * D + j);
         for (int i = 0; i < 8; i++) {
-            const v8f kv = kv8(k, i * row + j, bf16);
+            const v8f kv = kv8(k + i * row, j, kv_format);
 #pragma GCC unroll 3
             for (int g = 0; g < ATT_GT; g++)
                 if (g < G) acc[g][i] += qv[g] * kv;
         }
     }
+    v8f scales = splat8(scale);
+    if (kv_format == HP_KV_I8)
+        for (int i = 0; i < 8; i++) scales[i] = kv_scale(k + i * row, D, kv_format) * scale;
 #pragma GCC unroll 3
     for (int g = 0; g < ATT_GT; g++)
-        if (g < G) store8(sg + g * split, sum_lanes8(acc[g]) * scale);
+        if (g < G) store8(sg + g * split, sum_lanes8(acc[g]) * scales);
 }
 
-/* o[g] (+)= sum over positions p0..end of s[g][p] v[p], for G <= ATT_GT query heads sharing the KV head of v, the
- * dims d0 .. d0 + 8 DV of each: each V vector is loaded once for all G heads, and each (head, dim) sums the positions
- * in order, as one head at a time would. */
-static inline __attribute__((always_inline)) void value_tile(const int DV, int G, const float *sg, int split,
-                                                             const void *v, int64_t row, int n, float *o,
-                                                             int64_t o_stride, int bf16) {
+/* o[g] (+)= sum over positions p0..end of s[g][p] v[p], for G <= ATT_GT query heads sharing the KV head of v (its
+ * head rows v, v + row, ... bytes, D values each), the dims d0 .. d0 + 8 DV of each: each V vector is loaded once for
+ * all G heads, and each (head, dim) sums the positions in order, as one head at a time would. An int8 row's scale
+ * joins its weight s[g][p]. */
+static inline __attribute__((always_inline)) void value_tile(const int D, const int DV, int d0, int G, const float *sg,
+                                                             int split, const char *v, int64_t row, int n, float *o,
+                                                             int64_t o_stride, const int kv_format) {
     v8f acc[ATT_GT][8];
 #pragma GCC unroll 3
     for (int g = 0; g < ATT_GT; g++)
@@ -1305,9 +1331,11 @@ static inline __attribute__((always_inline)) void value_tile(const int DV, int G
         v8f wv[ATT_GT];
 #pragma GCC unroll 3
         for (int g = 0; g < ATT_GT; g++)
-            if (g < G) wv[g] = splat8(sg[g * split + p]);
+            if (g < G)
+                wv[g] = splat8(kv_format == HP_KV_I8 ? sg[g * split + p] * kv_scale(v + p * row, D, kv_format)
+                                                     : sg[g * split + p]);
         for (int j = 0; j < DV; j++) {
-            const v8f vv = kv8(v, p * row + 8 * j, bf16);
+            const v8f vv = kv8(v + p * row, d0 + 8 * j, kv_format);
 #pragma GCC unroll 3
             for (int g = 0; g < ATT_GT; g++)
                 if (g < G) acc[g][j] += wv[g] * vv;
@@ -1330,12 +1358,13 @@ static inline __attribute__((always_inline)) void value_tile(const int DV, int G
  * head_dim (64, 128). */
 static inline __attribute__((always_inline)) void attend_chunk_d(
     const int D, int num_kv_heads, int group, const float *q, const void *k_cache, const void *v_cache,
-    int64_t row, const int32_t *table, int block_size, int len, float scale, float *scores, int split,
-    float *mine, const int bf16) {
-    const int num_heads = num_kv_heads * group, kv_format = bf16 ? HP_KV_BF16 : HP_KV_F32, size = bf16 ? 2 : 4;
+    const int32_t *table, int block_size, int len, float scale, float *scores, int split, float *mine,
+    const int kv_format) {
+    const int num_heads = num_kv_heads * group;
+    const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb; /* bytes of a head's row, a position's */
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const char *kb = touch_block(k_cache, table, p0, end, len, block_size, row, kv_format);
+        const char *kb = touch_block(k_cache, table, p0, end, len, block_size, row);
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
@@ -1343,10 +1372,12 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
                 float *sg = scores + (int64_t)(h * group + g0) * split;
                 int p = p0;
                 for (; p + 8 <= end; p += 8)
-                    score_tile(D, G, qg, kb + ((p - p0) * row + h * D) * size, row, sg + p, split, scale, bf16);
-                for (; p < end; p++)
-                    for (int g = 0; g < G; g++)
-                        sg[g * split + p] = dot_kv(qg + g * D, kb + ((p - p0) * row + h * D) * size, D, bf16) * scale;
+                    score_tile(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
+                for (; p < end; p++) {
+                    const char *k = kb + (p - p0) * row + h * hb;
+                    const float s = kv_format == HP_KV_I8 ? kv_scale(k, D, kv_format) * scale : scale;
+                    for (int g = 0; g < G; g++) sg[g * split + p] = dot_kv(qg + g * D, k, D, kv_format) * s;
+                }
             }
     }
     for (int hg = 0; hg < num_heads; hg++) {
@@ -1357,31 +1388,33 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     }
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len;
-        const char *vb = touch_block(v_cache, table, p0, end, len, block_size, row, kv_format);
+        const char *vb = touch_block(v_cache, table, p0, end, len, block_size, row);
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
                 for (int d0 = 0; d0 < D; d0 += 64) /* 64 dims (8 vectors) a tile, or what remains of the head */
-                    value_tile(D - d0 < 64 ? (D - d0) / 8 : 8, G, scores + (int64_t)hg * split + p0, split,
-                               vb + (h * D + d0) * size, row, end - p0, mine + hg * (D + 2) + 2 + d0, D + 2, bf16);
+                    value_tile(D, D - d0 < 64 ? (D - d0) / 8 : 8, d0, G, scores + (int64_t)hg * split + p0, split,
+                               vb + h * hb, row, end - p0, mine + hg * (D + 2) + 2 + d0, D + 2, kv_format);
             }
     }
 }
 
 static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
-                         const void *v_cache, int64_t row, const int32_t *table, int block_size, int len,
-                         float scale, float *scores, int split, float *mine, int kv_format) {
-#define ATTEND(D, BF16)                                                                                            \
-    attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, row, table, block_size, len, scale, scores, split, \
-                   mine, BF16)
-    const int bf16 = kv_format == HP_KV_BF16;
-    if (head_dim == 64)
-        bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
-    else if (head_dim == 128)
-        bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
+                         const void *v_cache, const int32_t *table, int block_size, int len, float scale,
+                         float *scores, int split, float *mine, int kv_format) {
+#define ATTEND_D(D, FORMAT)                                                                                        \
+    attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, table, block_size, len, scale, scores, split, mine, \
+                   FORMAT)
+#define ATTEND(FORMAT)                                                                                             \
+    (head_dim == 64 ? ATTEND_D(64, FORMAT) : head_dim == 128 ? ATTEND_D(128, FORMAT) : ATTEND_D(head_dim, FORMAT))
+    if (kv_format == HP_KV_BF16)
+        ATTEND(HP_KV_BF16);
+    else if (kv_format == HP_KV_I8)
+        ATTEND(HP_KV_I8);
     else
-        bf16 ? ATTEND(head_dim, 1) : ATTEND(head_dim, 0);
+        ATTEND(HP_KV_F32);
 #undef ATTEND
+#undef ATTEND_D
 }
 
 /* Attention of one query token per sequence over its paged context, for a whole batch of decodes.
@@ -1400,7 +1433,6 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
     int group = num_heads / num_kv_heads;
     int split = num_seqs >= 8 ? 256 : 64;
     split = (split + block_size - 1) / block_size * block_size; /* chunks start on block boundaries */
-    int64_t row = (int64_t)num_kv_heads * head_dim;             /* floats per cache slot */
     /* first chunk of each sequence, so task c finds its sequence */
     int *chunk0 = malloc(sizeof(int) * (num_seqs + 1));
     chunk0[0] = 0;
@@ -1418,7 +1450,7 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
             while (chunk0[s + 1] <= c) s++;
             while (chunk0[s] > c) s--;
             int first = (c - chunk0[s]) * split, len = seq_lens[s] - first < split ? seq_lens[s] - first : split;
-            attend_chunk(head_dim, num_kv_heads, group, q + (int64_t)s * q_stride, k_cache, v_cache, row,
+            attend_chunk(head_dim, num_kv_heads, group, q + (int64_t)s * q_stride, k_cache, v_cache,
                          tables + (int64_t)s * table_stride + first / block_size, block_size, len, scale, scores,
                          split, partial + (int64_t)c * part, kv_format);
         }
@@ -1521,21 +1553,55 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-static void store_row(const float *src, void *cache, int64_t slot, int row, int kv_format) {
-    if (kv_format != HP_KV_BF16) {
-        memcpy((float *)cache + slot * row, src, sizeof(float) * row);
-        return;
+/* One head's D values (a multiple of 8) as int8 and their scale: d = max |x| / 127, q = x / d rounded to nearest
+ * even (x times the rounded 1 / d, as kernels/kv_int8.py computes it), d after the D bytes. */
+static void store_head_i8(const float *x, int8_t *dst, int D) {
+    float m = 0.0f;
+#ifdef __AVX2__
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) amax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8(x + i)), amax);
+    for (int i = 0; i < 8; i++) m = fmaxf(m, amax[i]);
+#else
+    for (int i = 0; i < D; i++) m = fmaxf(m, fabsf(x[i]));
+#endif
+    const float d = m / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < D; i += 8) {
+        const v8f y = load8(x + i) * splat8(inv);
+#ifdef __AVX2__
+        /* cvtps rounds to nearest even, as lrintf does; |y| <= 127 up to a rounding, which the clamp takes back */
+        __m256i q = _mm256_cvtps_epi32((__m256)y);
+        q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_packs_epi16(w, w));
+#else
+        for (int j = 0; j < 8; j++) {
+            const long r = lrintf(y[j]);
+            dst[i + j] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+        }
+#endif
     }
-    uint16_t *dst = (uint16_t *)cache + slot * row;
-    for (int i = 0; i < row; i++) dst[i] = to_bf16(src[i]);
+    memcpy(dst + D, &d, sizeof d);
 }
 
-/* Copies each token's K and V rows ([num_kv_heads * head_dim], row strides ldk and ldv) into its cache slot, in the
+static void store_row(const float *src, void *cache, int64_t slot, int heads, int D, int kv_format) {
+    const int row = heads * D;
+    if (kv_format == HP_KV_F32) {
+        memcpy((float *)cache + slot * row, src, sizeof(float) * row);
+    } else if (kv_format == HP_KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + slot * row;
+        for (int i = 0; i < row; i++) dst[i] = to_bf16(src[i]);
+    } else {
+        const int64_t hb = kv_head_bytes(D, kv_format);
+        for (int h = 0; h < heads; h++) store_head_i8(src + h * D, (int8_t *)cache + (slot * heads + h) * hb, D);
+    }
+}
+
+/* Copies each token's K and V rows ([num_kv_heads, head_dim], row strides ldk and ldv) into its cache slot, in the
  * pools' element type (enum hp_kv_format). */
 void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, void *k_cache, void *v_cache,
-                 const int64_t *slots, int T, int row, int kv_format) {
+                 const int64_t *slots, int T, int num_kv_heads, int head_dim, int kv_format) {
     for (int t = 0; t < T; t++) {
-        store_row(k + t * ldk, k_cache, slots[t], row, kv_format);
-        store_row(v + t * ldv, v_cache, slots[t], row, kv_format);
+        store_row(k + t * ldk, k_cache, slots[t], num_kv_heads, head_dim, kv_format);
+        store_row(v + t * ldv, v_cache, slots[t], num_kv_heads, head_dim, kv_format);
     }
 }

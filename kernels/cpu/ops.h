@@ -34,9 +34,10 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
                       int64_t ldy, int M, int N, int K);
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
                   int M, int N, int K);
-/* Element types of the K/V pools: fp32 (exact, the default), or bfloat16 (half the bytes to read per position;
- * each value rounded to nearest even on the way in, widened back to fp32 on the way out). */
-enum hp_kv_format { HP_KV_F32 = 0, HP_KV_BF16 = 1 };
+/* Element types of the K/V pools: fp32 (exact, the default), bfloat16 (half the bytes to read per position;
+ * each value rounded to nearest even on the way in, widened back to fp32 on the way out), or int8 (a quarter of the
+ * bytes, and a float32 scale after each head's D values: kernels/kv_int8.py says how they are rounded). */
+enum hp_kv_format { HP_KV_F32 = 0, HP_KV_BF16 = 1, HP_KV_I8 = 2 };
 
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
@@ -48,6 +49,6 @@ void hp_rotary(float *x, int64_t ldx, const int64_t *positions, const float *cos
                int T, int num_heads, int head_dim);
 void hp_silu_mul(const float *gate_up, float *out, int M, int I);
 void hp_store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, void *k_cache, void *v_cache,
-                 const int64_t *slots, int T, int row, int kv_format);
+                 const int64_t *slots, int T, int num_kv_heads, int head_dim, int kv_format);
 
 #endif
