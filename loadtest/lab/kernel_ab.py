@@ -17,7 +17,8 @@ from DRAM too.
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
 code, so the variants must read the same layout. ``--kv-dtype`` lists the K/V pool types to time the attention with
-(each variant with each; revisions before bfloat16 pools read any pool as fp32).
+(each variant with each; revisions before bfloat16 pools read any pool as fp32, and before int8 pools cannot read
+them: time int8 with revisions that have it).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cdiv
+from kernels import cdiv, kv_int8
 from kernels.cpu import (
     _FLAGS,
     _HEADERS,
@@ -129,8 +130,8 @@ class Pool:
         per_seq = cdiv(context, s.block_size)
         blocks = seqs * per_seq
         shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
-        k = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(s.layers)]
-        v = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(s.layers)]
+        k = [kv_int8.to_pool(torch.randn(shape, generator=gen), kv_dtype) for _ in range(s.layers)]
+        v = [kv_int8.to_pool(torch.randn(shape, generator=gen), kv_dtype) for _ in range(s.layers)]
         tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(seqs, per_seq)
         q = torch.randn(seqs, s.heads * s.head_dim, generator=gen)
         layer_floats = sum(n * k for n, k in s.linears())
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
-    p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16")
+    p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16, int8")
     p.add_argument("--int8-activations", action="store_true",
                    help="block panels (--format q4, q8) multiply activations rounded to int8 (--quantized-matmul int8)")
     args = p.parse_args(argv)
