@@ -159,7 +159,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 or bfloat16 model, got {dtype}")
         if self.kv_cache_dtype == "int8":
             if device.type != "cpu" or self.attention_backend == "triton":  # the Triton kernels read float pools only
-                raise ValueError(f"kv_cache_dtype int8 runs on a CPU's cpu or torch attention only (not {device}, "
-                                 f"{self.attention_backend}); use bfloat16 there")
+                raise ValueError(f"kv_cache_dtype int8 runs on a CPU's cpu or torch attention only (here: device "
+                                 f"{device}, attention backend {self.attention_backend}); use bfloat16 there")
             return torch.int8
         return torch.bfloat16
