@@ -436,11 +436,10 @@ def paged_decode_attention(
 ) -> None:
     _check_tokens(q, "q")
     _check_tokens(out, "out")
-    fmt = kv_format(k_cache, v_cache)
     _check(block_tables, torch.int32, "block_tables")
     _check(seq_lens, torch.int32, "seq_lens")
     num_seqs, num_heads, head_dim = q.shape
-    kv_format(k_cache, v_cache, head_dim)
+    fmt = kv_format(k_cache, v_cache, head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens must be contiguous")
