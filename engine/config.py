@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -147,12 +149,16 @@ class EngineConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
     def resolve_device(self) -> torch.device:
+        import torch  # here, not at the top: the API process imports this module before it starts the engine's
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """The pool's dtype for a model running in ``dtype`` on ``device``."""
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return dtype
         if dtype not in (torch.float32, torch.bfloat16):

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-
 if TYPE_CHECKING:
+    import torch
     from gguf import GGUFReader
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from engine.models.quantized import QuantizedWeight
 
@@ -136,7 +135,7 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
         return folder
     logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, folder)
     from gguf import GGUFReader
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from engine.gguf_weights import ROPE_FREQS, tensor_table
@@ -168,6 +167,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     logger.info("converting %s to %s (once; later loads are fast)", gguf_path, folder)
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -192,6 +192,8 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
 def _gguf_tokenizer(gguf_path: Path, reader: GGUFReader | None = None) -> PreTrainedTokenizerBase:
     """transformers' conversion of the file's tokenizer, with the file's own special tokens."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     set_gguf_special_tokens(tokenizer, gguf_path, reader)
     return tokenizer
@@ -212,10 +214,14 @@ def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path,
 
 
 def load_config(files: ModelFiles) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(files.path)
 
 
 def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(files.path)
 
 

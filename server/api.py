@@ -20,15 +20,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.errors import InvalidRequestError
 from server.async_engine import AsyncEngine
 from server.debug import add_debug_routes
+from server.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-# Deepest nesting of arrays and objects a body may have (the body itself is level 1). Real requests (chat messages,
-# JSON schemas, tools) stay far below; deeper ones could exhaust the recursion of the parsers behind us.
-MAX_JSON_DEPTH = 64
 _PARSE_INLINE_BYTES = 64 << 10  # larger bodies are parsed on a thread, so streams keep flowing meanwhile
 
 

@@ -19,8 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engine.messages import (
     AbortRequests,
@@ -38,6 +37,9 @@ from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.protocol import APIError
 from server.stats_history import StatsHistory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -11,19 +11,23 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
+# NOTE: only light modules here (no torch, transformers or FastAPI): the engine process starts first, and spawn
+# imports this module again in it. The API's modules load while the engine loads the model (``serve``).
 from engine.arg_utils import add_engine_arguments, engine_args_from, parse_memory
 from engine.config import EngineConfig
 from engine.gc_heap import freeze_startup_heap
 from engine.model_loader import load_tokenizer, resolve_model
 from engine.timeline import DEFAULT_CAPACITY
-from server.api import DEFAULT_MAX_BODY_BYTES, build_app
-from server.async_engine import AsyncEngine
 from server.engine_client import make_engine_client
-from server.metrics import Metrics
+from server.limits import DEFAULT_MAX_BODY_BYTES
 from server.tool_calls import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from server.async_engine import AsyncEngine
 
 logger = logging.getLogger("harpoon.serve")
 
@@ -108,11 +112,17 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
         engine_args = {**engine_args, "request_timelines": DEFAULT_CAPACITY}
     config = EngineConfig.from_kwargs(model=str(files.source), **engine_args)
     client = make_engine_client(config, in_process=args.in_process_engine)
-    # The tokenizer loads while the engine starts: transformers took ~4 s over a 128K vocabulary (Llama 3's), and the
-    # engine's first seconds are its imports, on one core of the two.
+    engine_started = asyncio.create_task(client.start())
+    await asyncio.sleep(0)  # the engine process is spawned: its imports and the model load run from now on
+    # The tokenizer and the API's modules load while the engine starts: transformers took ~4 s over a 128K
+    # vocabulary (Llama 3's), and the API's imports (FastAPI, transformers) ~2 s.
     tokenizer_loaded = asyncio.create_task(asyncio.to_thread(load_tokenizer, files))
+    from server.api import build_app
+    from server.async_engine import AsyncEngine
+    from server.metrics import Metrics
+
     try:
-        info = await client.start()
+        info = await engine_started
     except RuntimeError as e:
         await asyncio.gather(tokenizer_loaded, return_exceptions=True)  # the engine's reason is the one to report
         raise EngineStartError(str(e)) from None

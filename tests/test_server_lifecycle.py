@@ -6,7 +6,10 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -171,3 +174,13 @@ def test_switch_flags_set_only_what_they_name():
     assert parse_engine_args([]) == {}
     assert parse_engine_args(["--enforce-eager", "--no-prefix-caching", "--block-size", "32"]) == {
         "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32}
+
+
+def test_the_serve_command_imports_no_heavy_module_before_the_engine_starts():
+    """``harpoon serve`` spawns the engine process before it imports torch, transformers or FastAPI (they load while
+    the engine loads the model), and spawn imports the command's module again in the engine process."""
+    heavy = ("torch", "transformers", "fastapi", "numpy")
+    code = f"import sys, server.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip() == "[]"
