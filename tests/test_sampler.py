@@ -158,3 +158,17 @@ def test_invalid_sampling_params_are_rejected():
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("params", [{}, {"logit_bias": {5: 100.0}}, {"repetition_penalty": 2.0},
+                                    {"temperature": 1.0, "seed": 0}])
+def test_the_callers_logits_are_left_as_they_were(params):
+    """Prompt scoring and draft verification read the same logits after the sampler: a bias or a penalty goes into
+    a copy, and without any the logits are not copied at all."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    out = sample(logits, [request(0, **params), request(1)])
+    assert torch.equal(logits, before)
+    if "logit_bias" in params:
+        assert out.token_ids[0] == 5
