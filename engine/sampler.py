@@ -54,8 +54,9 @@ class Sampler:
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The logits as the requests' grammars, biases, bans and penalties leave them: a new tensor where any
         applies, else ``logits`` itself (a copy of 64 rows of a 49152-token vocabulary is 12.6 MB to write)."""
-        if any(x is not None for x in (meta.allowed_tokens, meta.logit_bias, meta.banned, meta.repetition_penalty)):
-            logits = logits.clone()  # the caller's logits stay as they were
+        if any(x is not None for x in (meta.allowed_tokens, meta.logit_bias, meta.banned)):
+            logits = logits.clone()  # written in place below; the caller's logits stay as they were (penalties make
+            # a new tensor of their own)
         if meta.allowed_tokens is not None:  # first: -inf stays -inf through bias and penalties
             apply_bitmask(logits, *meta.allowed_tokens)
         if meta.logit_bias is not None:

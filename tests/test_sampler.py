@@ -161,7 +161,7 @@ def test_invalid_sampling_params_are_rejected():
 
 
 @pytest.mark.parametrize("params", [{}, {"logit_bias": {5: 100.0}}, {"repetition_penalty": 2.0},
-                                    {"temperature": 1.0, "seed": 0}])
+                                    {"frequency_penalty": 1.0}, {"temperature": 1.0, "seed": 0}])
 def test_the_callers_logits_are_left_as_they_were(params):
     """Prompt scoring and draft verification read the same logits after the sampler: a bias or a penalty goes into
     a copy, and without any the logits are not copied at all."""
