@@ -15,6 +15,7 @@ Comparisons with transformers (tests, benchmarks) load its own fp32 conversion o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -115,12 +116,19 @@ def _cached_folder(gguf_path: Path, kind: str, version: int) -> Path:
 
 
 def _write_folder(folder: Path, write: Callable[[Path], None]) -> Path:
-    """``folder`` as ``write`` fills it, made in a temporary folder beside it and renamed into place whole."""
+    """``folder`` as ``write`` fills it, made in a temporary folder beside it and renamed into place whole. Where
+    another process renamed its own copy into place first (a server and a load client started together on a fresh
+    machine), that copy is kept and this one dropped: both were made from the same file."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
         write(tmp)
-        os.replace(tmp, folder)
+        try:
+            os.replace(tmp, folder)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not any(folder.iterdir()):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -4,9 +4,11 @@ import dataclasses
 import json
 import shutil
 
+import pytest
 from transformers import AutoTokenizer
 
 from engine.model_loader import (
+    _write_folder,
     default_gguf_path,
     eos_token_ids,
     load_config,
@@ -48,3 +50,25 @@ def test_the_tokenizers_eos_is_read_from_its_files_as_the_tokenizer_has_it(smoll
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     assert tokenizer_eos_id(dataclasses.replace(files, path=bare)) == load_tokenizer(
         dataclasses.replace(files, path=bare)).eos_token_id
+
+
+def test_a_cached_folder_made_by_two_processes_at_once_keeps_the_first(tmp_path):
+    """A server and a load client started together on a fresh machine both make the default model's metadata
+    folder; the one that renames its copy into place second keeps the first's and leaves no temporary folder."""
+    folder = tmp_path / "gguf-meta" / "model-key"
+
+    def write_after_the_other_process(tmp):
+        (tmp / "config.json").write_text("{}")
+        folder.mkdir()  # the other process's rename lands first
+        (folder / "config.json").write_text('{"first": true}')
+
+    assert _write_folder(folder, write_after_the_other_process) == folder
+    assert json.loads((folder / "config.json").read_text()) == {"first": True}
+    assert [p.name for p in folder.parent.iterdir()] == ["model-key"]
+
+    def fails(tmp):
+        raise RuntimeError("write failed")
+
+    with pytest.raises(RuntimeError, match="write failed"):
+        _write_folder(tmp_path / "other", fails)
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
