@@ -3,8 +3,10 @@ greedy agreement with transformers in bfloat16.
 
 A BF16C product rounds the activations to bfloat16 and sums the products in fp32, so a row's result depends on its
 own values only (never on the other rows of the step), and the avx512_bf16 body and its portable twin give the
-same bits. The engine keeps everything between products in fp32 where transformers in bfloat16 rounds every
-activation, so the two agree token for token until a near tie, and the rate at which they do is measured here."""
+same bits. AMX tiles sum in their own order and precision: other bits, within the same bound, and again the same
+for a row whatever the batch. The engine keeps everything between products in fp32 where transformers in bfloat16
+rounds every activation, so the two agree token for token until a near tie, and the rate at which they do is
+measured here."""
 
 from __future__ import annotations
 
@@ -26,9 +28,21 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T).float()
 
 
+BODIES = cpu.bf16_dots() if cpu.available() else []  # the FMAs; avx512_bf16's dot product and AMX tiles if present
+
+
+@pytest.fixture(params=BODIES)
+def body(request):
+    """Each body that can compute BF16C products here, made current for the test."""
+    default = "dpbf16" if "dpbf16" in BODIES else "fma"
+    cpu.set_bf16_dot(request.param)
+    yield request.param
+    cpu.set_bf16_dot(default)
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
-@pytest.mark.parametrize("n,k", [(5, 64), (48, 576), (200, 1536)])
-def test_bf16c_product_is_the_rounded_operands_product(m, n, k):
+@pytest.mark.parametrize("n,k", [(5, 64), (48, 576), (200, 1536), (30, 70)])
+def test_bf16c_product_is_the_rounded_operands_product(m, n, k, body):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
     bias = torch.randn(n, generator=gen)
@@ -38,13 +52,24 @@ def test_bf16c_product_is_the_rounded_operands_product(m, n, k):
     assert torch.all((y - bias - reference(x, w)).abs() <= bound + 1e-6)
 
 
-def test_bf16c_rows_do_not_depend_on_the_other_rows():
+def test_bf16c_rows_do_not_depend_on_the_other_rows(body):
     gen = torch.Generator().manual_seed(3)
-    w = cpu.pack_weight_bf16c(torch.randn(96, 576, generator=gen) / 24)
+    w = cpu.pack_weight_bf16c(torch.randn(100, 576, generator=gen) / 24)
     x = torch.randn(150, 576, generator=gen)
-    whole = cpu.linear(x, w, 96)
-    for lo, hi in ((0, 1), (5, 6), (7, 30), (64, 150), (149, 150)):
-        assert torch.equal(cpu.linear(x[lo:hi], w, 96), whole[lo:hi])
+    x[3, :4] = torch.tensor([float("nan"), 1e-40, float("inf"), -3.4e38])
+    bias = torch.randn(100, generator=gen)
+    whole = cpu.linear(x, w, 100, bias)
+    for lo, hi in ((0, 1), (5, 6), (7, 30), (16, 32), (64, 150), (149, 150), (0, 150)):
+        part = cpu.linear(x[lo:hi], w, 100, bias)
+        assert torch.equal(part.view(torch.int32), whole[lo:hi].view(torch.int32)), (body, lo, hi)
+
+
+def test_an_unknown_bf16_body_is_refused():
+    with pytest.raises(ValueError, match="no 'tiles' bfloat16 body"):
+        cpu.set_bf16_dot("tiles")
+    if "amx" not in BODIES:
+        with pytest.raises(ValueError, match="no 'amx' bfloat16 body"):
+            cpu.set_bf16_dot("amx")
 
 
 @pytest.mark.skipif(not cpu.available() or not cpu.bf16_native(), reason="the CPU has no avx512_bf16")
@@ -53,12 +78,13 @@ def test_avx512_bf16_and_the_portable_body_give_the_same_bits():
     w = cpu.pack_weight_bf16c(torch.randn(200, 1536, generator=gen) / 40)
     x = torch.randn(70, 1536, generator=gen) * 3
     x[0, :7] = torch.tensor([1e-40, -0.0, 3.4e38, 1.0 + 2**-9, 1.0 + 3 * 2**-9, float("inf"), -1e-39])
+    cpu.set_bf16_dot("dpbf16")
     native = cpu.linear(x, w, 200)
-    cpu.set_bf16_emulation(True)
+    cpu.set_bf16_dot("fma")
     try:
         emulated = cpu.linear(x, w, 200)
     finally:
-        cpu.set_bf16_emulation(False)
+        cpu.set_bf16_dot("dpbf16")
     assert torch.equal(native.view(torch.int32), emulated.view(torch.int32))
 
 

@@ -17,6 +17,7 @@ What it does with a model (``prepare``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 DECODER_MAX_QUERY_LEN = 64
 DECODER_MAX_PREFILL_CONTEXT = 1024
 PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pack_quantized)
+# Rows at which the bfloat16 bodies are timed: a stream's decode, and batches of decodes or a prompt chunk. AMX tiles
+# compute 16 rows at once, so they win from a few rows on; the sum weighs the batches, as throughput under load does.
+BF16_DOT_ROWS = (1, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class CpuBackend(TorchBackend):
         self.plan: GemmPlan | None = None
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
+        self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -145,6 +150,11 @@ class CpuBackend(TorchBackend):
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
         self.int8_activations = quantized and self._int8_activations()
+        if bf16 and "amx" in cpu_kernels.bf16_dots():  # AMX tiles beside avx512_bf16's dot product: time both
+            weight = first.mlp.gate_up_proj.weight.detach()
+            dots = [dot for dot in cpu_kernels.bf16_dots() if dot != "fma"]
+            self.bf16_dot = _fastest_dot(dots, cpu_kernels.set_bf16_dot,
+                                         PackedLinear(pack(weight), weight.shape[0]), weight.shape[1], BF16_DOT_ROWS)
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
         else:
@@ -162,7 +172,8 @@ class CpuBackend(TorchBackend):
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
         if self.int8_activations:
-            self.int8_dot = _fastest_q8x_dot(first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features)
+            self.int8_dot = _fastest_dot(cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot,
+                                         first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features)
         if bf16:  # the C kernels read these in fp32
             for name, param in model.named_parameters():
                 if name.endswith("bias") or "norm" in name:
@@ -230,25 +241,27 @@ class CpuBackend(TorchBackend):
 
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
+        products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
         return f"cpu backend (C kernels, {products} products{int8})"
 
 
-def _fastest_q8x_dot(kernel: PackedLinear | SplitLinear, in_features: int) -> str:
-    """Time each integer dot product this CPU has (VNNI, AVX2's maddubs) on a projection at 1 and 16 rows, and
-    keep the faster: both give the same bits (tested), so only speed decides, measured here rather than assumed
+def _fastest_dot(dots: list[str], use: Callable[[str], None], kernel: PackedLinear | SplitLinear, in_features: int,
+                 rows: tuple[int, ...] = (1, 16)) -> str:
+    """Time each body a product can run on (``dots``, made current by ``use``: the integer dot products VNNI and
+    AVX2's maddubs, which give the same bits; or avx512_bf16's dot product and AMX tiles) on a projection at
+    ``rows``, and keep the fastest in the sum, for every product of the process: measured here rather than assumed
     from the CPU's flags."""
-    dots = cpu_kernels.q8x_dots()
     if len(dots) > 1:
-        xs = [torch.randn(rows, in_features) for rows in (1, 16)]
+        xs = [torch.randn(m, in_features) for m in rows]
         seconds = {}
         for dot in dots:
-            cpu_kernels.set_q8x_dot(dot)
+            use(dot)
             seconds[dot] = sum(seconds_per_call(partial(kernel, x, None)) for x in xs)
-        logger.info("int8-activation dot products, ms at 1 + 16 rows: %s",
+        logger.info("dot products, ms at %s rows: %s", " + ".join(map(str, rows)),
                     ", ".join(f"{dot} {s * 1000:.2f}" for dot, s in seconds.items()))
         dots = sorted(dots, key=seconds.get)
-    cpu_kernels.set_q8x_dot(dots[0])
+    use(dots[0])
     return dots[0]
 
 

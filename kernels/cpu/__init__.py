@@ -1,6 +1,6 @@
-"""fp32 CPU kernels in C (``ops.c``; ``decoder.c`` chains them into a whole decode step; ``blocks.c`` finds the
-4- and 8-bit blocks of weights at load; ``gguf_pack.c`` packs a GGUF file's blocks into panels; ``shm_sum.c`` sums
-a tensor across tensor-parallel ranks), compiled on first use with the host's C compiler and loaded with ctypes.
+"""fp32 CPU kernels in C (``ops.c``; ``amx.c`` its bfloat16 products on AMX tiles; ``decoder.c`` chains them into
+a whole decode step; ``blocks.c`` finds the 4- and 8-bit blocks of weights at load; ``gguf_pack.c`` packs a GGUF
+file's blocks into panels; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on first use with the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -27,7 +27,7 @@ from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
 
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("ops.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
+                 for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
 _HEADERS = (Path(__file__).with_name("ops.h"),)
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
@@ -89,10 +89,12 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_bf16_native": [],
-    "hp_set_bf16_emulation": [_c_int],
+    "hp_bf16_dots": [],
+    "hp_set_bf16_dot": [_c_int],
 }
 _RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
-            "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
+            "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int,
+            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
             "hp_pack_gguf": _c_i64}
 
 
@@ -277,9 +279,21 @@ def bf16_native() -> bool:
     return bool(_library().hp_bf16_native())
 
 
-def set_bf16_emulation(on: bool) -> None:
-    """Compute BF16C panels with the portable FMAs even where avx512_bf16 is present (tests compare the bits)."""
-    _library().hp_set_bf16_emulation(int(on))
+BF16_DOTS = {"fma": 0, "dpbf16": 1, "amx": 2}  # enum hp_bf16_dot (ops.h): the bodies that compute BF16C panels
+
+
+def bf16_dots() -> list[str]:
+    """The bodies this build and CPU can compute BF16C panels with: the portable FMAs always; avx512_bf16's dot
+    product (the same bits) and AMX tiles (their own bits) where present."""
+    found = _library().hp_bf16_dots()
+    return [name for name, code in BF16_DOTS.items() if found & 1 << code]
+
+
+def set_bf16_dot(name: str) -> None:
+    """Which of ``bf16_dots()`` computes BF16C panels from now on, in every thread (the backend times them at
+    start; one body for all products, so a row's bits do not depend on the batch)."""
+    if _library().hp_set_bf16_dot(BF16_DOTS.get(name, -1)):
+        raise ValueError(f"this build has no {name!r} bfloat16 body (it has {bf16_dots()})")
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:

@@ -565,9 +565,18 @@ static inline __attribute__((always_inline)) void store_tile_row(float *yi, cons
 static inline v8f bf16_pair_lo(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w << 16}).f); }
 static inline v8f bf16_pair_hi(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w & 0xffff0000u}).f); }
 
-static int bf16_emulated = !HP_NATIVE_BF16; /* tests set it, to check both bodies give the same bits */
+/* The body that computes BF16C products (enum hp_bf16_dot): avx512_bf16's dot product where the CPU has it, else
+ * the FMAs with its bits; AMX tiles (amx.c, their own bits) where the backend timed them faster. */
+static int bf16_dot = HP_NATIVE_BF16 ? HP_BF16_DPBF16 : HP_BF16_FMA;
 int hp_bf16_native(void) { return HP_NATIVE_BF16; }
-void hp_set_bf16_emulation(int on) { bf16_emulated = on || !HP_NATIVE_BF16; }
+int hp_bf16_dots(void) {
+    return 1 << HP_BF16_FMA | (HP_NATIVE_BF16 ? 1 << HP_BF16_DPBF16 : 0) | (hp_amx_bf16_available() ? 1 << HP_BF16_AMX : 0);
+}
+int hp_set_bf16_dot(int dot) {
+    if (dot < 0 || dot > HP_BF16_AMX || !(hp_bf16_dots() & 1 << dot)) return -1;
+    bf16_dot = dot;
+    return 0;
+}
 
 /* The activations of a BF16C product, rounded to bfloat16 and packed by groups of MRB rows: for group g and pair
  * kp (k = 2 kp, 2 kp + 1), the MRB rows' pairs side by side as 32-bit words, the even k in the low half:
@@ -694,6 +703,7 @@ static __attribute__((noinline)) void panel_product_bf16c_fma(int p, int m0, int
  * as needed and kept: a decode step calls this ~4 times a layer. Row blocks (multiples of MRB) stay in L2. */
 static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
                          int M, int N, int K) {
+    if (bf16_dot == HP_BF16_AMX && hp_linear_bf16c_amx(x, ldx, packed, NR, bias, y, ldy, M, N, K) == 0) return;
     static __thread uint32_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int64_t need = (int64_t)((M + MRB - 1) / MRB) * MRB * (K / 2);
@@ -707,7 +717,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
     const int chunk = panels_per_task(M, N), block = ROW_BLOCK / MRB * MRB;
     for (int m0 = 0; m0 < M; m0 += block) {
         int m1 = m0 + block < M ? m0 + block : M;
-        if (!bf16_emulated) {
+        if (bf16_dot != HP_BF16_FMA) {
 #pragma omp parallel for schedule(dynamic, chunk)
             for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);
         } else {

@@ -23,6 +23,13 @@ enum hp_weight_format {
     HP_Q5K = 10, HP_Q6K = 11
 };
 
+/* The bodies that can compute BF16C products (hp_set_bf16_dot): the portable FMAs, avx512_bf16's dot product (the
+ * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
+enum hp_bf16_dot { HP_BF16_FMA = 0, HP_BF16_DPBF16 = 1, HP_BF16_AMX = 2 };
+int hp_amx_bf16_available(void);
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K);
+
 /* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
  * has u8 x s8 dot products (hp_q8x_available). */
 #define HP_Q8X 256

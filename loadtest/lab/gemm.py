@@ -38,11 +38,11 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
 
 
 def _emulated(fn):
-    cpu.set_bf16_emulation(True)
+    cpu.set_bf16_dot("fma")
     try:
         return fn()
     finally:
-        cpu.set_bf16_emulation(False)
+        cpu.set_bf16_dot("dpbf16")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,169 @@
+/* BF16C products on AMX tiles (Intel's matrix unit: TDPBF16PS sums a 16 x 32 block of bfloat16 activations
+ * times a 32 x 16 block of bfloat16 weights into 16 x 16 fp32 accumulators, in one instruction).
+ *
+ * Why: on a Xeon with AMX, two cores compute bfloat16 products ~6x as fast this way as with avx512_bf16's vector
+ * dot product (loadtest/lab/gemm.py); a batch of decodes or a prompt chunk is compute-bound there. The weights stay
+ * the BF16C panels every other bfloat16 product reads (two consecutive k of a column per 32-bit word, NR columns a
+ * row of a panel), which is the pair layout the tiles load: a tile of weights is 16 rows of k pairs, NR words apart.
+ *
+ * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
+ * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
+ * and here a row's result does not depend on the other rows: the same tiles and the same k order for any M, the
+ * activations rounded the same way. So greedy tokens do not depend on the batch.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component the kernel enables only on request */
+#define XFEATURE_XTILEDATA 18      /* the tiles' data */
+#define TILE_K 32                  /* bfloat16 values of k a tile op sums */
+
+typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16]; /* bytes per row of each tile */
+    uint8_t rows[16];
+};
+
+/* Tiles: 0-3 accumulators (row groups 0 and 1 x column tiles 0 and 1), 4-5 activations (row groups 0 and 1),
+ * 6-7 weights (column tiles 0 and 1). Column tile 0 is a panel's first 16 columns, tile 1 the other nr - 16. */
+static void load_config(int rows, int nr) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const uint16_t wide = 64, narrow = (uint16_t)((nr - 16) * 4);
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = t % 2 ? narrow : wide;
+    c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = TILE_K * 2;
+    c.rows[6] = c.rows[7] = TILE_K / 2, c.colsb[6] = wide, c.colsb[7] = narrow;
+    _tile_loadconfig(&c);
+}
+
+static int permitted = -1;
+
+int hp_amx_bf16_available(void) {
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+/* Rows [r0, r1) of x rounded to bfloat16 (nearest even; NaN to a quiet NaN, as pack_rows_bf16 in ops.c) into a,
+ * row-major [rows, K]; 16 values a vector. */
+static void round_rows(const float *x, int64_t ldx, uint16_t *a, int r0, int r1, int M, int K) {
+    for (int m = r0; m < r1; m++) {
+        uint16_t *out = a + (int64_t)m * K;
+        if (m >= M) {
+            memset(out, 0, (size_t)K * 2);
+            continue;
+        }
+        const float *row = x + m * ldx;
+        for (int k = 0; k < K; k += 16) {
+            v16u u;
+            memcpy(&u, row + k, sizeof u);
+            v16u nan = (u & 0x7fffffff) > 0x7f800000;
+            v16u r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+            r = (nan & 0x7fc0) | (~nan & r);
+            for (int i = 0; i < 16; i++) out[k + i] = (uint16_t)r[i];
+        }
+    }
+}
+
+/* The tiles' sums of one row group (or two, ``two``) into out [32][32] fp32 (row stride 32). */
+static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a0, const char *panel, int nr, int K,
+                                                               int two, float out[32][32]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const int stride = nr * 4, lda = K * 2;
+    const uint16_t *a1 = a0 + 16 * (int64_t)K;
+    for (int k = 0; k < K; k += TILE_K) {
+        const char *b = panel + (int64_t)(k / 2) * stride;
+        _tile_loadd(6, b, stride);
+        _tile_loadd(7, b + 64, stride);
+        _tile_loadd(4, a0 + k, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a1 + k, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, &out[0][0], 128);
+    _tile_stored(1, &out[0][16], 128);
+    if (two) {
+        _tile_stored(2, &out[16][0], 128);
+        _tile_stored(3, &out[16][16], 128);
+    }
+}
+
+/* Panel p's columns of y for every row, two row groups of 16 at a time. */
+static void panel_product(int p, const uint16_t *a, const void *packed, int nr, const float *bias, float *y,
+                          int64_t ldy, int M, int N, int K, int groups) {
+    const char *panel = (const char *)packed + (int64_t)p * K * nr * 2;
+    const int n0 = p * nr, cols = N - n0 < nr ? N - n0 : nr;
+    float out[32][32] __attribute__((aligned(64)));
+    for (int g = 0; g < groups; g += 2) {
+        const int two = g + 1 < groups;
+        if (two)
+            panel_groups(a + (int64_t)g * 16 * K, panel, nr, K, 1, out);
+        else
+            panel_groups(a + (int64_t)g * 16 * K, panel, nr, K, 0, out);
+        const int m0 = g * 16, rows = M - m0 < 32 ? M - m0 : 32;
+        for (int r = 0; r < rows; r++) {
+            float *yr = y + (m0 + r) * ldy + n0;
+            if (bias)
+                for (int c = 0; c < cols; c++) yr[c] = out[r][c] + bias[n0 + c];
+            else
+                memcpy(yr, out[r], (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K) {
+    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8) return -1;
+    static __thread uint16_t *buffer = 0;
+    static __thread int64_t buffer_size = 0;
+    const int groups = (M + 15) / 16, rows = M < 16 ? M : 16;
+    const int64_t need = (int64_t)groups * 16 * K;
+    if (need > buffer_size) {
+        free(buffer);
+        buffer_size = need;
+        buffer = (uint16_t *)aligned_alloc(64, (size_t)need * 2);
+    }
+    uint16_t *a = buffer; /* NOTE: a local: inside the parallel region, the threads would each see their own buffer */
+    const int panels = (N + nr - 1) / nr, threads = omp_get_max_threads();
+    /* one or a few rows stream the weights: long runs of consecutive panels per thread, for the prefetcher */
+    const int chunk = M <= 4 ? (panels + 2 * threads - 1) / (2 * threads) : (panels + 16 * threads - 1) / (16 * threads);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
+        load_config(rows, nr);
+#pragma omp for schedule(dynamic, chunk)
+        for (int p = 0; p < panels; p++) panel_product(p, a, packed, nr, bias, y, ldy, M, N, K, groups);
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+int hp_amx_bf16_available(void) { return 0; }
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K) {
+    (void)x, (void)ldx, (void)packed, (void)nr, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    return -1;
+}
+#endif
