@@ -1,6 +1,7 @@
 """fp32 CPU kernels in C (``ops.c``; ``amx.c`` its bfloat16 products on AMX tiles; ``decoder.c`` chains them into
 a whole decode step; ``blocks.c`` finds the 4- and 8-bit blocks of weights at load; ``gguf_pack.c`` packs a GGUF
-file's blocks into panels; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on first use with the host's C compiler and loaded with ctypes.
+file's blocks into panels; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on first use with
+the host's C compiler and loaded with ctypes.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
