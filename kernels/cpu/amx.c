@@ -76,9 +76,9 @@ static void round_rows(const float *x, int64_t ldx, uint16_t *a, int r0, int r1,
     }
 }
 
-/* The tiles' sums of one row group (or two, ``two``) into out [32][32] fp32 (row stride 32). */
+/* The tiles' sums of one row group (or two, ``two``), stored at out (row stride ldo floats). */
 static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a0, const char *panel, int nr, int K,
-                                                               int two, float out[32][32]) {
+                                                               int two, float *out, int64_t ldo) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
@@ -100,33 +100,37 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, &out[0][0], 128);
-    _tile_stored(1, &out[0][16], 128);
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
     if (two) {
-        _tile_stored(2, &out[16][0], 128);
-        _tile_stored(3, &out[16][16], 128);
+        _tile_stored(2, out + 16 * ldo, ldo * 4);
+        _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
     }
 }
 
-/* Panel p's columns of y for every row, two row groups of 16 at a time. */
+/* Panel p's columns of y for every row, two row groups of 16 at a time. A pair of groups whose rows and columns
+ * all lie in y is stored there straight from the tiles; the last, partial one goes through a buffer. */
 static void panel_product(int p, const uint16_t *a, const void *packed, int nr, const float *bias, float *y,
                           int64_t ldy, int M, int N, int K, int groups) {
     const char *panel = (const char *)packed + (int64_t)p * K * nr * 2;
     const int n0 = p * nr, cols = N - n0 < nr ? N - n0 : nr;
-    float out[32][32] __attribute__((aligned(64)));
+    float buffer[32 * 32] __attribute__((aligned(64)));
     for (int g = 0; g < groups; g += 2) {
-        const int two = g + 1 < groups;
+        const int two = g + 1 < groups, m0 = g * 16, rows = M - m0 < 32 ? M - m0 : 32;
+        const int direct = cols == nr && rows == (two ? 32 : M < 16 ? M : 16); /* a tile holds min(M, 16) rows */
+        float *out = direct ? y + m0 * ldy + n0 : buffer;
+        const int64_t ldo = direct ? ldy : 32;
         if (two)
-            panel_groups(a + (int64_t)g * 16 * K, panel, nr, K, 1, out);
+            panel_groups(a + (int64_t)m0 * K, panel, nr, K, 1, out, ldo);
         else
-            panel_groups(a + (int64_t)g * 16 * K, panel, nr, K, 0, out);
-        const int m0 = g * 16, rows = M - m0 < 32 ? M - m0 : 32;
+            panel_groups(a + (int64_t)m0 * K, panel, nr, K, 0, out, ldo);
         for (int r = 0; r < rows; r++) {
             float *yr = y + (m0 + r) * ldy + n0;
+            const float *o = out + r * ldo;
             if (bias)
-                for (int c = 0; c < cols; c++) yr[c] = out[r][c] + bias[n0 + c];
-            else
-                memcpy(yr, out[r], (size_t)cols * sizeof(float));
+                for (int c = 0; c < cols; c++) yr[c] = o[c] + bias[n0 + c];
+            else if (!direct)
+                for (int c = 0; c < cols; c++) yr[c] = o[c];
         }
     }
 }
