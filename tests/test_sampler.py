@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, apply_penalties
+from engine.sampler import Sampler, apply_penalties, argmax_rows
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 
@@ -172,3 +172,17 @@ def test_the_callers_logits_are_left_as_they_were(params):
     assert torch.equal(logits, before)
     if "logit_bias" in params:
         assert out.token_ids[0] == 5
+
+
+def test_argmax_rows_is_torchs_argmax():
+    """The first of equal maxima, NaN the largest, -inf rows at 0, strided rows; other dtypes keep torch's."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 3000, generator=gen)
+    logits[1, [5, 100]] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, [7, 9]] = 1e9
+    logits[4, [10, 20]] = float("inf")
+    logits[5, :] = 0.0
+    for x in (logits, logits[:, 500:2500], logits[::2], logits.double()):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(logits).tolist()[1:6] == [5, 0, 7, 10, 0]
