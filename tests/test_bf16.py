@@ -216,3 +216,30 @@ def test_the_library_must_win_across_batch_sizes_not_only_at_the_largest():
     assert library_speedup(measured) < 1 < LIBRARY_MARGIN
     amx_like = {"c": [59, 136, 175, 204, 212], "onednn": [50, 300, 700, 900, 1000]}
     assert library_speedup(amx_like) > LIBRARY_MARGIN
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+def test_bf16a_panels_give_the_bits_of_bf16c_panels_through_amx():
+    """Two whole tiles a panel instead of a tile and a half: each column is summed alike, so the same bits; the
+    lookups of a tied embedding read the weight's bfloat16 values back from them."""
+    gen = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(100, 576, generator=gen) / 24, torch.randn(100, generator=gen)
+    wide, narrow = cpu.pack_weight_bf16a(w), cpu.pack_weight_bf16c(w)
+    assert wide.shape == (4, 576, 32) and cpu.FORMAT_NAMES[wide.dtype] == "BF16A"
+    cpu.set_bf16_dot("amx")
+    try:
+        for m in (1, 5, 16, 40, 64):
+            x = torch.randn(m, 576, generator=gen)
+            assert torch.equal(cpu.linear(x, wide, 100, bias), cpu.linear(x, narrow, 100, bias))
+    finally:
+        cpu.set_bf16_dot("dpbf16")
+    ids = torch.tensor([0, 31, 32, 99, 7])
+    assert torch.equal(cpu.embed_rows(wide, ids, 100), w.bfloat16().float()[ids])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu.pack_weight_bf16a(torch.randn(8, 48))
+
+
+@pytest.mark.skipif("amx" in BODIES or not cpu.available(), reason="the CPU has AMX tiles")
+def test_bf16a_panels_are_refused_without_amx():
+    with pytest.raises(ValueError, match="need AMX tiles"):
+        cpu.pack_weight_bf16a(torch.randn(32, 64))

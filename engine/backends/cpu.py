@@ -3,7 +3,8 @@
 What it does with a model (``prepare``):
 - bfloat16: every projection and the LM head as BF16C panels, whose products round the activations to bfloat16 and
   sum in fp32 (avx512_bf16's dot product where the CPU has it, FMAs with the same bits elsewhere); everything
-  between the products stays fp32;
+  between the products stays fp32. Where the CPU has AMX tiles and they time faster at start-up, every product runs
+  on them instead, from BF16A panels (BF16C 32 columns wide: two whole tiles);
 - fp32: every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16
   where the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
 - the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
@@ -155,6 +156,8 @@ class CpuBackend(TorchBackend):
             dots = [dot for dot in cpu_kernels.bf16_dots() if dot != "fma"]
             self.bf16_dot = _fastest_dot(dots, cpu_kernels.set_bf16_dot,
                                          PackedLinear(pack(weight), weight.shape[0]), weight.shape[1], BF16_DOT_ROWS)
+            if self.bf16_dot == "amx":
+                pack = _amx_panels
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
         else:
@@ -185,7 +188,7 @@ class CpuBackend(TorchBackend):
         if model.lm_head.quantized is not None:
             head = _pack_quantized(model.lm_head.take_quantized())
         else:
-            head = (cpu_kernels.pack_weight_bf16c if bf16 else pack_head)(model.lm_head.release_weight())
+            head = (pack if bf16 else pack_head)(model.lm_head.release_weight())
         model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
@@ -263,6 +266,14 @@ def _fastest_dot(dots: list[str], use: Callable[[str], None], kernel: PackedLine
         dots = sorted(dots, key=seconds.get)
     use(dots[0])
     return dots[0]
+
+
+def _amx_panels(weight: torch.Tensor) -> torch.Tensor:
+    """BF16A panels, two whole AMX tiles wide, where K allows (a multiple of 32), else BF16C panels (the same bits
+    through AMX: a tile op sums each column alike whatever its panel's width)."""
+    if weight.shape[1] % 32 == 0:
+        return cpu_kernels.pack_weight_bf16a(weight)
+    return cpu_kernels.pack_weight_bf16c(weight)
 
 
 def _quantized_kernel(weight: Blocks, int8_activations: bool) -> PackedLinear | SplitLinear:

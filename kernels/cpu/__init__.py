@@ -159,12 +159,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 # enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
 # panels (int16: the BF16 layout, computed in bfloat16), the byte blocks Q5 and Q6M, and the K-quant panels Q4K, Q5K
-# and Q6K. The last five are bytes viewed as int32, float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES,
-# blocks.K_QUANT_DTYPES), dtypes that only name the format here.
+# and Q6K, and BF16A panels (BF16C 32 columns wide, for AMX). The last five of the blocks are bytes viewed as int32,
+# float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), and BF16A's bfloat16 pairs
+# are viewed as float16: dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
-                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11}
-FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", **blocks.BLOCK_PANEL_NAMES,
-                **blocks.K_QUANT_NAMES}
+                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12}
+FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
+                **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -263,16 +264,33 @@ def pack_weight_bf16c(weight: torch.Tensor) -> torch.Tensor:
     P] in the BF16 panel layout (two consecutive k of one column per 32-bit lane), which ``linear`` computes in
     bfloat16 (the activations rounded too, the products summed in fp32). K must be even. Packed panel by panel, so
     a bfloat16 weight never has an fp32 copy."""
+    if weight.shape[1] % 2:
+        raise ValueError(f"BF16C panels need an even in_features, got {weight.shape[1]}")
+    return _bf16_pairs(weight, _library().hp_panel_width(), torch.int16)
+
+
+BF16A_WIDTH = 32  # ops.h: HP_BF16A_WIDTH
+
+
+def pack_weight_bf16a(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] as BF16A panels: the BF16C layout, BF16A_WIDTH columns a panel (float16 [ceil(N / 32), K,
+    32], a dtype that only names the format), two whole tiles of weights for AMX, which alone computes them (the
+    same bits as BF16C panels through AMX). Only where ``"amx" in bf16_dots()`` and K % 32 == 0."""
+    if "amx" not in bf16_dots():
+        raise ValueError("BF16A panels need AMX tiles, which this CPU or build lacks")
+    if weight.shape[1] % 32:
+        raise ValueError(f"BF16A panels need in_features a multiple of 32, got {weight.shape[1]}")
+    return _bf16_pairs(weight, BF16A_WIDTH, torch.float16)
+
+
+def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     n, k = weight.shape
-    if k % 2:
-        raise ValueError(f"BF16C panels need an even in_features, got {k}")
-    width = _library().hp_panel_width()
     bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
     panels = torch.zeros(cdiv(n, width) * width, k, dtype=torch.int16)
     panels[:n] = bits
     # [panels, P, K/2, 2] -> [panels, K/2, P, 2]: each 32-bit lane holds k and k + 1 of one column
     pairs = panels.view(-1, width, k // 2, 2).transpose(1, 2).contiguous()
-    return pairs.view(-1, k, width)
+    return pairs.view(-1, k, width).view(dtype)
 
 
 def bf16_native() -> bool:

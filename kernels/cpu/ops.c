@@ -765,6 +765,10 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
         linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
+    } else if (format == HP_BF16A) { /* packed only where AMX runs (kernels/cpu/__init__.py): NaN, never garbage */
+        if (hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, bias, y, ldy, M, N, K))
+            for (int m = 0; m < M; m++)
+                for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
     } else {
         hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
     }
@@ -1092,6 +1096,15 @@ int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *i
     for (int t = 0; t < T; t++) {
         const int64_t p = ids[t] / NR, col = ids[t] % NR;
         float *row = out + (int64_t)t * K;
+        if (format == HP_BF16A) { /* [panels, K / 2, width, 2] bfloat16 */
+            const int64_t w = HP_BF16A_WIDTH, pa = ids[t] / w, ca = ids[t] % w;
+            const uint16_t *panel = (const uint16_t *)packed + pa * K * w;
+            for (int k = 0; k < K; k++) {
+                const uint32_t bits = (uint32_t)panel[((int64_t)(k / 2) * w + ca) * 2 + k % 2] << 16;
+                memcpy(row + k, &bits, sizeof bits);
+            }
+            continue;
+        }
         if (format == F32_PANELS) {
             const float *panel = (const float *)packed + p * K * NR;
             for (int k = 0; k < K; k++) row[k] = panel[(int64_t)k * NR + col];

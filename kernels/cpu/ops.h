@@ -20,8 +20,11 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask)
  * bfloat16 too, the products summed in fp32 as avx512_bf16's dot product sums them; a bfloat16 model's weights). */
 enum hp_weight_format {
     HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6M = 8, HP_Q4K = 9,
-    HP_Q5K = 10, HP_Q6K = 11
+    HP_Q5K = 10, HP_Q6K = 11, HP_BF16A = 12
 };
+/* BF16A panels: the BF16C layout with HP_BF16A_WIDTH columns a panel, two whole AMX tiles of weights (a 24-column
+ * BF16C panel is a tile and a half: its second tile op runs half empty). Only AMX tiles compute them (amx.c). */
+#define HP_BF16A_WIDTH 32
 
 /* The bodies that can compute BF16C products (hp_set_bf16_dot): the portable FMAs, avx512_bf16's dot product (the
  * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
