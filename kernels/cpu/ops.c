@@ -19,6 +19,9 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#ifdef __AVX512F__
+typedef float v16f __attribute__((vector_size(64), aligned(4))); /* sixteen floats: one AVX-512 register */
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define HP_NATIVE_BF16 1 /* vdpbf16ps: 16 bfloat16 products summed per 8 lanes per instruction */
 #else
@@ -467,12 +470,70 @@ static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, con
     }
 }
 
+#if defined(__AVX512F__) && NV == 3
+/* The fp32 micro-kernel on AVX-512: a panel's 24 columns as one 16-lane and one 8-lane vector, 8 rows. Each output
+ * is still one FMA chain over k in order (a lane's FMA is the same in a 16-lane register), so the bits are
+ * micro_kernel's; but 16 FMAs carry 192 products where 12 carried 96, and one broadcast serves both vectors. Why:
+ * the products of prompt chunks and of batches of decodes run here (a compact panel is unpacked to fp32 first). On
+ * a Xeon with AMX a step's products at 16-128 rows took 4-10% less time, Q4 and fp32 panels alike (python -m
+ * loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --rows 16,64). */
+#define MRW 8 /* 8 x 2 accumulators + 2 weight vectors + a broadcast: 19 of 32 registers (12 rows ran 1.6x slower) */
+
+static inline __attribute__((always_inline)) void micro_kernel_f32w(int rows, const float *x, int64_t ldx,
+                                                                    const float *panel, int kc, float *y, int64_t ldy,
+                                                                    int cols, const float *bias, int first) {
+    v16f lo[MRW];
+    v8f hi[MRW];
+#pragma GCC unroll 8
+    for (int i = 0; i < MRW; i++) lo[i] = (v16f){0}, hi[i] = (v8f){0};
+    for (int k = 0; k < kc; k++) {
+        const float *w = panel + (int64_t)k * NR;
+        const v16f wl = *(const v16f *)w;
+        const v8f wh = load8(w + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < MRW; i++) {
+            if (i < rows) { /* one broadcast for both: fused multiply-adds, as the contracted c += a * b are */
+                const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+                lo[i] = (v16f)_mm512_fmadd_ps(a, (__m512)wl, (__m512)lo[i]);
+                hi[i] = (v8f)_mm256_fmadd_ps(_mm512_castps512_ps256(a), (__m256)wh, (__m256)hi[i]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MRW; i++) {
+        if (i >= rows) break;
+        float *yi = y + i * ldy;
+        if (cols == NR && !bias) {
+            *(v16f *)yi = first ? lo[i] : *(const v16f *)yi + lo[i];
+            store8(yi + 16, first ? hi[i] : load8(yi + 16) + hi[i]);
+        } else {
+            for (int j = 0; j < cols; j++)
+                yi[j] = (first ? 0.0f : yi[j]) + (j < 16 ? lo[i][j] : hi[i][j - 16]) + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+#endif
+
 /* panel_rows over an fp32 slice, compiled on its own. NOTE: inlined into the Q4 product's loop beside the Q4
  * micro-kernels, its MR-row kernel spilled an accumulator inside the k loop and ran at half speed. */
 static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float *x, int64_t ldx, const float *panel,
                                                      int kc, float *y, int64_t ldy, int cols, const float *b,
                                                      int first) {
+#if defined(__AVX512F__) && NV == 3
+    for (int m = m0; m < m1; m += MRW) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (m1 - m < MRW ? m1 - m : MRW) {
+#define ROWS(r) \
+    case r: micro_kernel_f32w(r, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7)
+#undef ROWS
+        default: micro_kernel_f32w(MRW, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
+        }
+    }
+#else
     panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
+#endif
 }
 
 /* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A compact slice that more than
@@ -491,6 +552,8 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
         if (widened && m1 - m0 > MR) {
             unpack(panel, kc, unpacked, format);
             panel_rows_f32(m0, m1, x + k0, ldx, unpacked, kc, y + n0, ldy, cols, b, first);
+        } else if (format == F32_PANELS) {
+            panel_rows_f32(m0, m1, x + k0, ldx, (const float *)panel, kc, y + n0, ldy, cols, b, first);
         } else {
             panel_rows(m0, m1, x + k0, ldx, panel, kc, y + n0, ldy, cols, b, sc, first, format);
         }
@@ -1380,8 +1443,6 @@ static inline __attribute__((always_inline)) void value_tile(const int D, const 
  * attention was 30% of a 64-client step on a Xeon with AMX once the products ran on tiles. Each (head, position)
  * still sums the same 16-dim chunks in the same order whatever the tiling or the batch; the bits differ from the
  * 8-lane tiles' (an int8 pool is already approximate), and fp32 and bfloat16 pools keep those. D % 16 == 0. */
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-
 static inline v16f kv16_i8(const char *base, int i) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + i))));
 }
