@@ -1,7 +1,8 @@
 """GFLOP/s of every candidate for a linear layer's product on this machine, at the batch sizes a step has: Harpoon's
-C panels (fp32, and BF16C computed in bfloat16, natively and with the portable FMAs), torch's ``F.linear`` and
-oneDNN with prepacked weights (fp32 and bf16), on a model's projection shapes; then the machine's matmul peak per
-dtype. It is the table behind ``engine/backends/gemm_plan.py``, which runs a smaller version of it at every start.
+C panels (fp32, and BF16C computed in bfloat16: avx512_bf16, the portable FMAs, AMX tiles and AMX's BF16A panels,
+where the CPU has them), torch's ``F.linear`` and oneDNN with prepacked weights (fp32 and bf16), on a model's
+projection shapes; then the machine's matmul peak per dtype. It is the table behind ``engine/backends/gemm_plan.py``,
+which runs a smaller version of it at every start.
 
     python -m loadtest.lab.gemm                       # SmolLM2-135M's shapes
     python -m loadtest.lab.gemm --shapes 4096x4096,28672x4096 --rows 1,16,64
@@ -21,12 +22,18 @@ SMOLLM2 = "960x576,576x576,3072x576,576x1536,49152x576"  # qkv, o, gate_up, down
 
 
 def candidates(weight: torch.Tensor) -> dict[str, object]:
-    """name -> (x fp32 [M, K]) -> y, each with its weight prepared once, as a server would."""
+    """name -> (x fp32 [M, K]) -> y, each with its weight prepared once, as a server would. The C bfloat16
+    products run through each body the CPU has (avx512_bf16's dot product, its portable FMAs, AMX tiles), and on
+    AMX also from the 32-column BF16A panels the engine packs there."""
     n = weight.shape[0]
     fp32, bf16c, wb = cpu.pack_weight(weight), cpu.pack_weight_bf16c(weight), weight.bfloat16()
-    out = {"C fp32": lambda x: cpu.linear(x, fp32, n), "C bf16": lambda x: cpu.linear(x, bf16c, n)}
-    if cpu.bf16_native():
-        out["C bf16 portable"] = lambda x: _emulated(lambda: cpu.linear(x, bf16c, n))
+    out = {"C fp32": lambda x: cpu.linear(x, fp32, n)}
+    names = {"dpbf16": "C bf16", "fma": "C bf16 portable", "amx": "C bf16 AMX"}
+    for body in sorted(cpu.bf16_dots(), key=list(names).index):
+        out[names[body]] = lambda x, body=body: _through(body, lambda: cpu.linear(x, bf16c, n))
+    if "amx" in cpu.bf16_dots():  # BF16C where K is not a multiple of 32, as the engine packs it
+        bf16a = cpu.pack_weight_bf16a(weight) if weight.shape[1] % 32 == 0 else bf16c
+        out["C BF16A AMX"] = lambda x: _through("amx", lambda: cpu.linear(x, bf16a, n))
     out["F.linear fp32"] = lambda x: F.linear(x, weight)
     out["F.linear bf16"] = lambda x: F.linear(x.bfloat16(), wb)
     if library_available():
@@ -37,12 +44,13 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
     return out
 
 
-def _emulated(fn):
-    cpu.set_bf16_dot("fma")
+def _through(body: str, fn):
+    default = "dpbf16" if "dpbf16" in cpu.bf16_dots() else "fma"
+    cpu.set_bf16_dot(body)
     try:
         return fn()
     finally:
-        cpu.set_bf16_dot("dpbf16")
+        cpu.set_bf16_dot(default)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(m) for m in args.rows.split(",")]
     print(f"ISA: {cpu_isa()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"C bf16 native: {cpu.bf16_native()}")
+          f"C bf16 bodies: {', '.join(cpu.bf16_dots())}")
     torch.manual_seed(0)
     header = None
     for n, k in shapes:
