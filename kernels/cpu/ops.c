@@ -1437,83 +1437,6 @@ static inline __attribute__((always_inline)) void value_tile(const int D, const 
             for (int j = 0; j < DV; j++) store8(o + g * o_stride + 8 * j, acc[g][j]);
 }
 
-#ifdef __AVX512F__
-/* An int8 pool's tiles 16 lanes wide (AVX-512): 16 values widened in two instructions where the 8-lane kv8 takes
- * three for 8, and half the FMAs. Why: with int8 pools the widening, not the bytes, bound the 8-lane tiles; decode
- * attention was 30% of a 64-client step on a Xeon with AMX once the products ran on tiles. Each (head, position)
- * still sums the same 16-dim chunks in the same order whatever the tiling or the batch; the bits differ from the
- * 8-lane tiles' (an int8 pool is already approximate), and fp32 and bfloat16 pools keep those. D % 16 == 0. */
-static inline v16f kv16_i8(const char *base, int i) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + i))));
-}
-
-static inline v8f fold16(v16f a) { return _mm512_castps512_ps256(a) + _mm512_extractf32x8_ps(a, 1); }
-
-static inline __attribute__((always_inline)) void score_tile_i8x16(const int D, int G, const float *qg, const char *k,
-                                                                   int64_t row, float *sg, int split, float scale) {
-    v16f acc[ATT_GT][8];
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        for (int i = 0; i < 8; i++) acc[g][i] = (v16f){0};
-    for (int j = 0; j < D; j += 16) {
-        v16f qv[ATT_GT];
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G) qv[g] = _mm512_loadu_ps(qg + g * D + j);
-        for (int i = 0; i < 8; i++) {
-            const v16f kv = kv16_i8(k + i * row, j);
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) acc[g][i] += qv[g] * kv;
-        }
-    }
-    v8f scales;
-    for (int i = 0; i < 8; i++) scales[i] = kv_scale(k + i * row, D, HP_KV_I8) * scale;
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        if (g < G) {
-            v8f half[8];
-            for (int i = 0; i < 8; i++) half[i] = fold16(acc[g][i]);
-            store8(sg + g * split, sum_lanes8(half) * scales);
-        }
-}
-
-static inline __attribute__((always_inline)) void value_tile_i8x16(const int D, int G, const float *sg, int split,
-                                                                   const char *v, int64_t row, int n, float *o,
-                                                                   int64_t o_stride) {
-    enum { DV = 8 }; /* up to 128 dims: 8 vectors of 16 per head, 3 x 8 accumulators */
-    const int dv = D / 16 < DV ? D / 16 : DV;
-    for (int d0 = 0; d0 < D; d0 += 16 * DV) {
-        v16f acc[ATT_GT][DV];
-        const int nv = (D - d0) / 16 < dv ? (D - d0) / 16 : dv;
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G)
-                for (int j = 0; j < nv; j++) acc[g][j] = _mm512_loadu_ps(o + g * o_stride + d0 + 16 * j);
-        for (int p = 0; p < n; p++) {
-            v16f wv[ATT_GT];
-            const float sc = kv_scale(v + p * row, D, HP_KV_I8);
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) wv[g] = _mm512_set1_ps(sg[g * split + p] * sc);
-            for (int j = 0; j < nv; j++) {
-                const v16f vv = kv16_i8(v + p * row, d0 + 16 * j);
-#pragma GCC unroll 3
-                for (int g = 0; g < ATT_GT; g++)
-                    if (g < G) acc[g][j] += wv[g] * vv;
-            }
-        }
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G)
-                for (int j = 0; j < nv; j++) _mm512_storeu_ps(o + g * o_stride + d0 + 16 * j, acc[g][j]);
-    }
-}
-#define HP_ATT_I8X16 1
-#else
-#define HP_ATT_I8X16 0
-#endif
-
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
  * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V.
  * The loops go block by block and, inside a block, KV head by KV head, the query heads of its group a few at a
@@ -1538,11 +1461,6 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
                 const float *qg = q + (int64_t)(h * group + g0) * D;
                 float *sg = scores + (int64_t)(h * group + g0) * split;
                 int p = p0;
-#if HP_ATT_I8X16
-                if (kv_format == HP_KV_I8 && D % 16 == 0)
-                    for (; p + 8 <= end; p += 8)
-                        score_tile_i8x16(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale);
-#endif
                 for (; p + 8 <= end; p += 8)
                     score_tile(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
                 for (; p < end; p++) {
@@ -1564,13 +1482,6 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
-#if HP_ATT_I8X16
-                if (kv_format == HP_KV_I8 && D % 16 == 0) {
-                    value_tile_i8x16(D, G, scores + (int64_t)hg * split + p0, split, vb + h * hb, row, end - p0,
-                                     mine + hg * (D + 2) + 2, D + 2);
-                    continue;
-                }
-#endif
                 for (int d0 = 0; d0 < D; d0 += 64) /* 64 dims (8 vectors) a tile, or what remains of the head */
                     value_tile(D, D - d0 < 64 ? (D - d0) / 8 : 8, d0, G, scores + (int64_t)hg * split + p0, split,
                                vb + h * hb, row, end - p0, mine + hg * (D + 2) + 2 + d0, D + 2, kv_format);
