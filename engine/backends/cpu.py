@@ -52,6 +52,8 @@ DECODER_MAX_PREFILL_CONTEXT = 1024
 PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pack_quantized)
 # Rows at which the bfloat16 bodies are timed: a stream's decode, and batches of decodes or a prompt chunk. AMX tiles
 # compute 16 rows at once, so they win from a few rows on; the sum weighs the batches, as throughput under load does.
+# (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
+# faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
 
 
@@ -151,10 +153,9 @@ class CpuBackend(TorchBackend):
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
         self.int8_activations = quantized and self._int8_activations()
-        if bf16 and "amx" in cpu_kernels.bf16_dots():  # AMX tiles beside avx512_bf16's dot product: time both
+        if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
             weight = first.mlp.gate_up_proj.weight.detach()
-            dots = [dot for dot in cpu_kernels.bf16_dots() if dot != "fma"]
-            self.bf16_dot = _fastest_dot(dots, cpu_kernels.set_bf16_dot,
+            self.bf16_dot = _fastest_dot(cpu_kernels.bf16_dots(), cpu_kernels.set_bf16_dot,
                                          PackedLinear(pack(weight), weight.shape[0]), weight.shape[1], BF16_DOT_ROWS)
             if self.bf16_dot == "amx":
                 pack = _amx_panels
