@@ -138,6 +138,7 @@ static void panel_product(int p, const uint16_t *a, const void *packed, int nr, 
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
                         int64_t ldy, int M, int N, int K) {
     if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8) return -1;
+    if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int groups = (M + 15) / 16, rows = M < 16 ? M : 16;
