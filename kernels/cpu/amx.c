@@ -1,16 +1,17 @@
 /* BF16C products on AMX tiles (Intel's matrix unit: TDPBF16PS sums a 16 x 32 block of bfloat16 activations
  * times a 32 x 16 block of bfloat16 weights into 16 x 16 fp32 accumulators, in one instruction).
  *
- * Why: on a Xeon with AMX, two cores compute bfloat16 products ~6x as fast this way as with avx512_bf16's vector
- * dot product (loadtest/lab/gemm.py); a batch of decodes or a prompt chunk is compute-bound there. The weights stay
- * the BF16C panels every other bfloat16 product reads (two consecutive k of a column per 32-bit word, NR columns a
- * row of a panel), which is the pair layout the tiles load: a tile of weights is 16 rows of k pairs, NR words apart.
+ * Why: on a Xeon with AMX, two cores compute bfloat16 products 5-10x as fast this way as with avx512_bf16's vector
+ * dot product from 16 rows on (loadtest/lab/gemm.py); a batch of decodes or a prompt chunk is compute-bound there.
+ * The weights keep the pair layout of the BF16C panels every other bfloat16 product reads (two consecutive k of a
+ * column per 32-bit word, a panel's columns side by side), which is the layout the tiles load: a tile of weights is
+ * 16 rows of k pairs, a panel's width of words apart. The engine packs BF16A panels, 32 columns, two whole tiles;
+ * BF16C's 24 columns also run here, their second tile op half empty.
  *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
  * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
  * and here a row's result does not depend on the other rows: the same tiles and the same k order for any M, the
- * activations rounded the same way. So greedy tokens do not depend on the batch.
- */
+ * activations rounded the same way. So greedy tokens do not depend on the batch. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
