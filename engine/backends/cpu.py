@@ -270,8 +270,9 @@ def _fastest_dot(dots: list[str], use: Callable[[str], None], kernel: PackedLine
 
 
 def _amx_panels(weight: torch.Tensor) -> torch.Tensor:
-    """BF16A panels, two whole AMX tiles wide, where K allows (a multiple of 32), else BF16C panels (the same bits
-    through AMX: a tile op sums each column alike whatever its panel's width)."""
+    """BF16A panels, two whole AMX tiles wide, where K allows (a multiple of 32), else BF16C panels, which
+    avx512_bf16's dot product then computes (tiles take K 32 at a time): per weight, so still one body whatever
+    the batch."""
     if weight.shape[1] % 32 == 0:
         return cpu_kernels.pack_weight_bf16a(weight)
     return cpu_kernels.pack_weight_bf16c(weight)
