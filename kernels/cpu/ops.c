@@ -628,12 +628,14 @@ static inline __attribute__((always_inline)) void store_tile_row(float *yi, cons
 static inline v8f bf16_pair_lo(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w << 16}).f); }
 static inline v8f bf16_pair_hi(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w & 0xffff0000u}).f); }
 
-/* The body that computes BF16C products (enum hp_bf16_dot): avx512_bf16's dot product where the CPU has it, else
- * the FMAs with its bits; AMX tiles (amx.c, their own bits) where the backend timed them faster. */
+/* The body that computes BF16C products (enum hp_bf16_dot). By default avx512_bf16's dot product where the CPU has
+ * it, else the FMAs with its bits; the backend times every body this CPU has (AMX tiles too, amx.c: their own
+ * bits) at start-up and keeps the fastest for the process. */
 static int bf16_dot = HP_NATIVE_BF16 ? HP_BF16_DPBF16 : HP_BF16_FMA;
 int hp_bf16_native(void) { return HP_NATIVE_BF16; }
 int hp_bf16_dots(void) {
-    return 1 << HP_BF16_FMA | (HP_NATIVE_BF16 ? 1 << HP_BF16_DPBF16 : 0) | (hp_amx_bf16_available() ? 1 << HP_BF16_AMX : 0);
+    return 1 << HP_BF16_FMA | (HP_NATIVE_BF16 ? 1 << HP_BF16_DPBF16 : 0) |
+           (hp_amx_bf16_available() ? 1 << HP_BF16_AMX : 0);
 }
 int hp_set_bf16_dot(int dot) {
     if (dot < 0 || dot > HP_BF16_AMX || !(hp_bf16_dots() & 1 << dot)) return -1;
