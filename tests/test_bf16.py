@@ -34,10 +34,8 @@ BODIES = cpu.bf16_dots() if cpu.available() else []  # the FMAs; avx512_bf16's d
 @pytest.fixture(params=BODIES)
 def body(request):
     """Each body that can compute BF16C products here, made current for the test."""
-    default = "dpbf16" if "dpbf16" in BODIES else "fma"
-    cpu.set_bf16_dot(request.param)
-    yield request.param
-    cpu.set_bf16_dot(default)
+    with cpu.bf16_body(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
@@ -64,27 +62,30 @@ def test_bf16c_rows_do_not_depend_on_the_other_rows(body):
         assert torch.equal(part.view(torch.int32), whole[lo:hi].view(torch.int32)), (body, lo, hi)
 
 
-def test_an_unknown_bf16_body_is_refused():
-    with pytest.raises(ValueError, match="no 'tiles' bfloat16 body"):
-        cpu.set_bf16_dot("tiles")
-    if "amx" not in BODIES:
-        with pytest.raises(ValueError, match="no 'amx' bfloat16 body"):
-            cpu.set_bf16_dot("amx")
+def test_an_unknown_bf16_body_is_refused_and_a_with_block_restores_the_body_before():
+    before = cpu.set_bf16_dot("fma")
+    try:
+        with pytest.raises(ValueError, match="no 'tiles' bfloat16 body"):
+            cpu.set_bf16_dot("tiles")
+        if "amx" not in BODIES:
+            with pytest.raises(ValueError, match="no 'amx' bfloat16 body"):
+                cpu.set_bf16_dot("amx")
+        with cpu.bf16_body(BODIES[-1]):
+            assert cpu.set_bf16_dot(BODIES[-1]) == BODIES[-1]
+    finally:
+        assert cpu.set_bf16_dot(before) == "fma"  # neither the refusals nor the block left another body
 
 
-@pytest.mark.skipif(not cpu.available() or not cpu.bf16_native(), reason="the CPU has no avx512_bf16")
+@pytest.mark.skipif("dpbf16" not in BODIES, reason="the CPU has no avx512_bf16")
 def test_avx512_bf16_and_the_portable_body_give_the_same_bits():
     gen = torch.Generator().manual_seed(4)
     w = cpu.pack_weight_bf16c(torch.randn(200, 1536, generator=gen) / 40)
     x = torch.randn(70, 1536, generator=gen) * 3
     x[0, :7] = torch.tensor([1e-40, -0.0, 3.4e38, 1.0 + 2**-9, 1.0 + 3 * 2**-9, float("inf"), -1e-39])
-    cpu.set_bf16_dot("dpbf16")
-    native = cpu.linear(x, w, 200)
-    cpu.set_bf16_dot("fma")
-    try:
+    with cpu.bf16_body("dpbf16"):
+        native = cpu.linear(x, w, 200)
+    with cpu.bf16_body("fma"):
         emulated = cpu.linear(x, w, 200)
-    finally:
-        cpu.set_bf16_dot("dpbf16")
     assert torch.equal(native.view(torch.int32), emulated.view(torch.int32))
 
 
@@ -226,13 +227,10 @@ def test_bf16a_panels_give_the_bits_of_bf16c_panels_through_amx():
     w, bias = torch.randn(100, 576, generator=gen) / 24, torch.randn(100, generator=gen)
     wide, narrow = cpu.pack_weight_bf16a(w), cpu.pack_weight_bf16c(w)
     assert wide.shape == (4, 576, 32) and cpu.FORMAT_NAMES[wide.dtype] == "BF16A"
-    cpu.set_bf16_dot("amx")
-    try:
+    with cpu.bf16_body("amx"):
         for m in (1, 5, 16, 40, 64):
             x = torch.randn(m, 576, generator=gen)
             assert torch.equal(cpu.linear(x, wide, 100, bias), cpu.linear(x, narrow, 100, bias))
-    finally:
-        cpu.set_bf16_dot("dpbf16")
     ids = torch.tensor([0, 31, 32, 99, 7])
     assert torch.equal(cpu.embed_rows(wide, ids, 100), w.bfloat16().float()[ids])
     with pytest.raises(ValueError, match="multiple of 32"):

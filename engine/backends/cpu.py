@@ -250,7 +250,7 @@ class CpuBackend(TorchBackend):
         return f"cpu backend (C kernels, {products} products{int8})"
 
 
-def _fastest_dot(dots: list[str], use: Callable[[str], None], kernel: PackedLinear | SplitLinear, in_features: int,
+def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLinear | SplitLinear, in_features: int,
                  rows: tuple[int, ...] = (1, 16)) -> str:
     """Time each body a product can run on (``dots``, made current by ``use``: the integer dot products VNNI and
     AVX2's maddubs, which give the same bits; or avx512_bf16's dot product and AMX tiles) on a projection at

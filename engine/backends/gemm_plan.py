@@ -175,10 +175,8 @@ def bf16_speedup() -> float:
     weight, x = torch.randn(2048, 2048) / 45, torch.randn(64, 2048)
     fp32, bf16 = cpu_kernels.pack_weight(weight), cpu_kernels.pack_weight_bf16c(weight)
     t32 = seconds_per_call(lambda: cpu_kernels.linear(x, fp32, 2048))
-    dots = cpu_kernels.bf16_dots()
-    t16 = {}
-    for dot in dots:
-        cpu_kernels.set_bf16_dot(dot)
-        t16[dot] = seconds_per_call(lambda: cpu_kernels.linear(x, bf16, 2048))
-    cpu_kernels.set_bf16_dot("dpbf16" if "dpbf16" in dots else "fma")  # the build's default
-    return t32 / min(t16.values())
+    t16 = []
+    for dot in cpu_kernels.bf16_dots():
+        with cpu_kernels.bf16_body(dot):
+            t16.append(seconds_per_call(lambda: cpu_kernels.linear(x, bf16, 2048)))
+    return t32 / min(t16)

@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -89,12 +91,11 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
-    "hp_bf16_native": [],
     "hp_bf16_dots": [],
     "hp_set_bf16_dot": [_c_int],
 }
 _RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
-            "hp_find_blocks": _c_int, "hp_bf16_native": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int,
+            "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
             "hp_pack_gguf": _c_i64}
 
@@ -293,11 +294,6 @@ def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
     return pairs.view(-1, k, width).view(dtype)
 
 
-def bf16_native() -> bool:
-    """Whether this build computes BF16C panels with avx512_bf16's dot product (else the FMAs with the same bits)."""
-    return bool(_library().hp_bf16_native())
-
-
 BF16_DOTS = {"fma": 0, "dpbf16": 1, "amx": 2}  # enum hp_bf16_dot (ops.h): the bodies that compute BF16C panels
 
 
@@ -308,11 +304,23 @@ def bf16_dots() -> list[str]:
     return [name for name, code in BF16_DOTS.items() if found & 1 << code]
 
 
-def set_bf16_dot(name: str) -> None:
+def set_bf16_dot(name: str) -> str:
     """Which of ``bf16_dots()`` computes BF16C panels from now on, in every thread (the backend times them at
-    start; one body for all products, so a row's bits do not depend on the batch)."""
-    if _library().hp_set_bf16_dot(BF16_DOTS.get(name, -1)):
+    start; one body for all products, so a row's bits do not depend on the batch). Returns the body before."""
+    before = _library().hp_set_bf16_dot(BF16_DOTS.get(name, -1))
+    if before < 0:
         raise ValueError(f"this build has no {name!r} bfloat16 body (it has {bf16_dots()})")
+    return next(n for n, code in BF16_DOTS.items() if code == before)
+
+
+@contextmanager
+def bf16_body(name: str) -> Iterator[None]:
+    """``set_bf16_dot(name)`` for a ``with`` block, the body before it back after (timings, tests, benches)."""
+    before = set_bf16_dot(name)
+    try:
+        yield
+    finally:
+        set_bf16_dot(before)
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:

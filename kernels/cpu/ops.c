@@ -632,15 +632,16 @@ static inline v8f bf16_pair_hi(uint32_t w) { return splat8(((union { uint32_t u;
  * it, else the FMAs with its bits; the backend times every body this CPU has (AMX tiles too, amx.c: their own
  * bits) at start-up and keeps the fastest for the process. */
 static int bf16_dot = HP_NATIVE_BF16 ? HP_BF16_DPBF16 : HP_BF16_FMA;
-int hp_bf16_native(void) { return HP_NATIVE_BF16; }
 int hp_bf16_dots(void) {
     return 1 << HP_BF16_FMA | (HP_NATIVE_BF16 ? 1 << HP_BF16_DPBF16 : 0) |
            (hp_amx_bf16_available() ? 1 << HP_BF16_AMX : 0);
 }
+/* Makes ``dot`` the body and returns the one before it, or -1 (nothing changed) where this CPU lacks ``dot``. */
 int hp_set_bf16_dot(int dot) {
     if (dot < 0 || dot > HP_BF16_AMX || !(hp_bf16_dots() & 1 << dot)) return -1;
+    const int before = bf16_dot;
     bf16_dot = dot;
-    return 0;
+    return before;
 }
 
 /* The activations of a BF16C product, rounded to bfloat16 and packed by groups of MRB rows: for group g and pair

@@ -30,10 +30,10 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
     out = {"C fp32": lambda x: cpu.linear(x, fp32, n)}
     names = {"dpbf16": "C bf16", "fma": "C bf16 portable", "amx": "C bf16 AMX"}
     for body in sorted(cpu.bf16_dots(), key=list(names).index):
-        out[names[body]] = lambda x, body=body: _through(body, lambda: cpu.linear(x, bf16c, n))
+        out[names[body]] = lambda x, body=body: _through(body, bf16c, x, n)
     if "amx" in cpu.bf16_dots():  # BF16C where K is not a multiple of 32, as the engine packs it
         bf16a = cpu.pack_weight_bf16a(weight) if weight.shape[1] % 32 == 0 else bf16c
-        out["C BF16A AMX"] = lambda x: _through("amx", lambda: cpu.linear(x, bf16a, n))
+        out["C BF16A AMX"] = lambda x: _through("amx", bf16a, x, n)
     out["F.linear fp32"] = lambda x: F.linear(x, weight)
     out["F.linear bf16"] = lambda x: F.linear(x.bfloat16(), wb)
     if library_available():
@@ -44,13 +44,9 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
     return out
 
 
-def _through(body: str, fn):
-    default = "dpbf16" if "dpbf16" in cpu.bf16_dots() else "fma"
-    cpu.set_bf16_dot(body)
-    try:
-        return fn()
-    finally:
-        cpu.set_bf16_dot(default)
+def _through(body: str, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    with cpu.bf16_body(body):
+        return cpu.linear(x, packed, n)
 
 
 def main(argv: list[str] | None = None) -> None:
