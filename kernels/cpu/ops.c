@@ -1291,34 +1291,50 @@ static inline v8f sum_lanes8(const v8f a[8]) {
     return __builtin_shuffle(u[0], u[1], lo) + __builtin_shuffle(u[0], u[1], hi);
 }
 
-/* Every 64-byte line of bytes at p (none if p is NULL) on its way to L2. */
+/* Where the attention's prefetches go. */
 #ifndef HP_PREFETCH_LOCALITY
 #define HP_PREFETCH_LOCALITY 2 /* to L2 (T1): 3-12% less decode attention than to L1 at 1-64 sequences of 192-1024
                                 * positions, every pool type, on a Xeon with AMX (python -m loadtest.lab.kernel_ab) */
 #endif
-static inline void prefetch_lines(const char *p, int64_t bytes) {
-    for (int64_t i = 0; p && i < bytes; i += 64) __builtin_prefetch(p + i, 0, HP_PREFETCH_LOCALITY);
-}
-
-/* The cache block holding positions p0..end of a chunk, its lines loaded into this core's caches, and the chunk's
- * next block, if any, prefetched. NOTE: the pool is cold in a decode step (every weight streams through the caches
- * between two layers), and from DRAM the attention read it at ~10 GB/s where the same block order streams at ~25: its
- * few loads in flight per 8 positions left the memory idle while it computed. A plain load of every line first puts
- * them all in flight at once. With the next block prefetched under this block's arithmetic, decode attention took
- * 22-26% less time at 1-64 sequences of 192-1024 positions (python -m loadtest.lab.kernel_ab); touching whole chunks,
- * or 2-8 blocks at a time, was no better. */
-static inline const void *touch_block(const void *cache, const int32_t *table, int p0, int end, int len,
-                                      int block_size, int64_t row) {
-    const int64_t bytes = block_size * row, used = (end - p0) * row;
-    const char *block = (const char *)cache + table[p0 / block_size] * bytes;
-    const char *next = end < len ? (const char *)cache + table[p0 / block_size + 1] * bytes : NULL;
+/* The cache block holding positions p0..end of a chunk, its lines loaded into this core's caches. NOTE: the pool is
+ * cold in a decode step (every weight streams through the caches between two layers), and from DRAM the attention
+ * read it at ~10 GB/s where the same block order streams at ~25: its few loads in flight per 8 positions left the
+ * memory idle while it computed. A plain load of every line first puts them all in flight at once; with the block
+ * that comes next prefetched under this one's arithmetic (struct trickle), the line loads hit L2. */
+static inline const char *touch_block(const void *cache, const int32_t *table, int p0, int end, int block_size,
+                                      int64_t row) {
+    const char *block = (const char *)cache + table[p0 / block_size] * (block_size * row);
     typedef uint32_t word __attribute__((may_alias));
     word sink = 0; /* integer loads, one per 64-byte line: no floating-point assist, whatever the pool holds */
-    for (int64_t i = 0; i < used; i += 64) sink |= *(const word *)(block + i);
+    for (int64_t i = 0; i < (end - p0) * row; i += 64) sink |= *(const word *)(block + i);
     volatile word keep = sink; /* the loads stay */
     (void)keep;
-    prefetch_lines(next, bytes);
     return block;
+}
+
+/* The block read after the current one, prefetched to L2 a few lines per tile of arithmetic. NOTE: prefetching a
+ * whole block in one burst (as this kernel did) stalled: a core has 16 line-fill buffers, a 3-12 KiB block is 51-192
+ * lines, so the burst waited out the memory's latency several times over while no arithmetic ran. Spread over the
+ * block's tiles, the requests stay within the buffers and the arithmetic hides them. */
+struct trickle {
+    const char *next; /* NULL: nothing to prefetch */
+    int64_t bytes, done, step;
+};
+
+static inline struct trickle trickle_of(const char *next, int64_t bytes, int tiles) {
+    const int64_t lines = (bytes + 63) / 64, per_tile = (lines + tiles - 1) / (tiles > 0 ? tiles : 1);
+    return (struct trickle){next, bytes, 0, per_tile * 64};
+}
+
+static inline void trickle_some(struct trickle *t) {
+    if (!t->next) return;
+    const int64_t end = t->done + t->step < t->bytes ? t->done + t->step : t->bytes;
+    for (; t->done < end; t->done += 64) __builtin_prefetch(t->next + t->done, 0, HP_PREFETCH_LOCALITY);
+}
+
+static inline void trickle_rest(struct trickle *t) {
+    t->step = t->bytes;
+    trickle_some(t);
 }
 
 /* Bytes of one KV head's row of one position in a pool of kv_format: D values, and for int8 the row's scale after
@@ -1453,25 +1469,33 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     const int D, int num_kv_heads, int group, const float *q, const void *k_cache, const void *v_cache,
     const int32_t *table, int block_size, int len, float scale, float *scores, int split, float *mine,
     const int kv_format) {
-    const int num_heads = num_kv_heads * group;
+    const int num_heads = num_kv_heads * group, tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT);
     const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb; /* bytes of a head's row, a position's */
+    const int64_t block_bytes = block_size * row, last = (len - 1) / block_size;
+    /* the block after block b of a pass: the pass's next, and after K's last block V's first */
+#define AFTER(b, cache) ((b) < last ? (const char *)(cache) + table[(b) + 1] * block_bytes : NULL)
     for (int p0 = 0; p0 < len; p0 += block_size) {
-        int end = p0 + block_size < len ? p0 + block_size : len;
-        const char *kb = touch_block(k_cache, table, p0, end, len, block_size, row);
+        int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
+        const char *kb = touch_block(k_cache, table, p0, end, block_size, row);
+        struct trickle t = trickle_of(b < last ? AFTER(b, k_cache) : (const char *)v_cache + table[0] * block_bytes,
+                                      block_bytes, tiles * ((end - p0 + 7) / 8));
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
                 const float *qg = q + (int64_t)(h * group + g0) * D;
                 float *sg = scores + (int64_t)(h * group + g0) * split;
                 int p = p0;
-                for (; p + 8 <= end; p += 8)
+                for (; p + 8 <= end; p += 8) {
+                    trickle_some(&t);
                     score_tile(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
+                }
                 for (; p < end; p++) {
                     const char *k = kb + (p - p0) * row + h * hb;
                     const float s = kv_format == HP_KV_I8 ? kv_scale(k, D, kv_format) * scale : scale;
                     for (int g = 0; g < G; g++) sg[g * split + p] = dot_kv(qg + g * D, k, D, kv_format) * s;
                 }
             }
+        trickle_rest(&t);
     }
     for (int hg = 0; hg < num_heads; hg++) {
         float *sg = scores + (int64_t)hg * split, mx = max_of(sg, len), *stats = mine + hg * (D + 2);
@@ -1480,16 +1504,21 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
         memset(stats + 2, 0, sizeof(float) * D);
     }
     for (int p0 = 0; p0 < len; p0 += block_size) {
-        int end = p0 + block_size < len ? p0 + block_size : len;
-        const char *vb = touch_block(v_cache, table, p0, end, len, block_size, row);
+        int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
+        const char *vb = touch_block(v_cache, table, p0, end, block_size, row);
+        struct trickle t = trickle_of(AFTER(b, v_cache), block_bytes, tiles * ((D + 63) / 64));
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
-                for (int d0 = 0; d0 < D; d0 += 64) /* 64 dims (8 vectors) a tile, or what remains of the head */
+                for (int d0 = 0; d0 < D; d0 += 64) { /* 64 dims (8 vectors) a tile, or what remains of the head */
+                    trickle_some(&t);
                     value_tile(D, D - d0 < 64 ? (D - d0) / 8 : 8, d0, G, scores + (int64_t)hg * split + p0, split,
                                vb + h * hb, row, end - p0, mine + hg * (D + 2) + 2 + d0, D + 2, kv_format);
+                }
             }
+        trickle_rest(&t);
     }
+#undef AFTER
 }
 
 static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
