@@ -13,10 +13,12 @@ from DRAM too.
     python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --rows 1,4 --context 192   # Q4 panels, as the default GGUF
     python -m loadtest.lab.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
     python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --int8-activations --rows 1,64 --seqs 1  # int8 products
+    python -m loadtest.lab.kernel_ab HEAD WORKTREE --format amx --rows 16,64,128 --seqs 1  # BF16A panels on AMX tiles
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
-code, so the variants must read the same layout. ``--kv-dtype`` lists the K/V pool types to time the attention with
+code, so the variants must read the same layout; ``amx`` is bfloat16 weights in BF16A panels, every variant's
+products on AMX tiles (a CPU with AMX only). ``--kv-dtype`` lists the K/V pool types to time the attention with
 (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before int8 pools cannot read
 them: time int8 with revisions that have it).
 """
@@ -41,12 +43,14 @@ from kernels.cpu import (
     _FLAGS,
     _HEADERS,
     _SOURCES,
+    BF16_DOTS,
     HP_Q8X,
     KV_FORMATS,
     WEIGHT_FORMATS,
     _build,
     declare,
     find_compiler,
+    pack_weight_bf16a,
     pack_weight_compact,
 )
 from loadtest.lab.compact_gemm import GRIDS
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqs", default="1,4,16,64", help="decode sequences for the attention")
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
-    p.add_argument("--format", default="fp32", choices=["fp32", *sorted(GRIDS)], help="the weights' panels")
+    p.add_argument("--format", default="fp32", choices=["fp32", "amx", *sorted(GRIDS)],
+                   help="the weights' panels")
     p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16, int8")
     p.add_argument("--int8-activations", action="store_true",
                    help="block panels (--format q4, q8) multiply activations rounded to int8 (--quantized-matmul int8)")
@@ -194,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     s, gen = Shapes(), torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
+        if args.format == "amx" and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
+            p.error("--format amx: this CPU (or a variant) has no AMX tiles")
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         packs: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
         for n, k in shapes:  # every layer its own weights: a step streams them from DRAM, as a real one does
@@ -201,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
                 w = torch.randn(n, k, generator=gen) * k**-0.5
                 for d, pk in zip(dlls, packs, strict=True):
                     pk.append((packed(d, w), n, k))
+            elif args.format == "amx":
+                bf16a = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
+                for pk in packs:
+                    pk.append((bf16a, n, k))
             else:
                 make, dtype = GRIDS[args.format]
                 compact = pack_weight_compact(make(n, k, gen))
