@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from kernels import cpu
+from kernels import cdiv, cpu
 from tests.conftest import greedy_agreement, hf_greedy, quick
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler for kernels/cpu")
@@ -241,3 +241,59 @@ def test_bf16a_panels_give_the_bits_of_bf16c_panels_through_amx():
 def test_bf16a_panels_are_refused_without_amx():
     with pytest.raises(ValueError, match="need AMX tiles"):
         cpu.pack_weight_bf16a(torch.randn(32, 64))
+
+
+def _q4_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random Q4_1-like blocks: values 0..15, fp16 d and m (as a GGUF file's), in QuantizedWeight's q4 form."""
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
+    m = (-8 * d - torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+    return q, d, m
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("n,k", [(100, 576), (1100, 64), (33, 1536), (1100, 576)])
+def test_q4a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k):
+    """AMX widens Q4A panels to bfloat16 tiles as it multiplies (d q + m in fp32, rounded to nearest even): the
+    tiles of the dequantized weight's BF16A panels, so the same bits at every batch size, one panel or several a
+    task (the next one widened under this one's tile ops)."""
+    gen = torch.Generator().manual_seed(n + k)
+    q, d, m = _q4_blocks(n, k, gen)
+    weight = (d.unsqueeze(-1) * q.float() + m.unsqueeze(-1)).reshape(n, k)  # gguf-py's dequantization, fp32
+    widened, dense = cpu.pack_weight_q4a(q, d, m), cpu.pack_weight_bf16a(weight)
+    assert cpu.FORMAT_NAMES[widened.dtype] == "Q4A" and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
+    assert widened.numel() == cdiv(n, 32) * 32 * k * 3 // 4  # 0.75 bytes a weight
+    bias = torch.randn(n, generator=gen)
+    with cpu.bf16_body("amx"):
+        for rows in (1, 3, 16, 33, 64, 100):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
+    with pytest.raises(ValueError, match="lookups"):
+        cpu.embed_rows(widened, torch.tensor([0]), n)
+
+
+@pytest.mark.skipif("amx" in BODIES or not cpu.available(), reason="the CPU has AMX tiles")
+def test_q4a_panels_are_refused_without_amx():
+    q, d, m = _q4_blocks(32, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="need AMX tiles"):
+        cpu.pack_weight_q4a(q, d, m)
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+def test_the_default_gguf_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(prompt_ids):
+    """The shipped SmolLM2 GGUF's Q4_1 projections in bfloat16 on AMX: kept as Q4A panels where start-up times
+    them faster, else dequantized into BF16A panels. The same bits, so the same greedy tokens either way."""
+    from engine.backends import cpu as cpu_backend
+
+    params, tokens = SamplingParams(temperature=0, max_tokens=MAX_NEW), {}
+    for widened in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_backend, "_q4a_faster", lambda *_, widened=widened: widened)
+            llm = LLM(None, **quick(dtype="bfloat16", gemm_kernels="c"))
+        backend = llm.engine.backend
+        if backend.bf16_dot != "amx":
+            pytest.skip(f"start-up timed {backend.bf16_dot} faster than AMX tiles")
+        assert (backend.q4a_panels == 4 * len(llm.engine.model.layers)) == widened, backend.describe()
+        tokens[widened] = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
+        del llm
+    assert tokens[True] == tokens[False]

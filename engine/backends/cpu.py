@@ -128,6 +128,7 @@ class CpuBackend(TorchBackend):
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
         self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
+        self.q4a_panels = 0  # projections whose Q4 blocks AMX widens as it multiplies (timed against BF16A)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -148,13 +149,16 @@ class CpuBackend(TorchBackend):
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
         first = model.layers[0]
         quantized = first.mlp.gate_up_proj.quantized is not None
+        # a GGUF file's Q4_0/Q4_1 projections, kept as blocks for AMX to widen (Q4A) if it times faster there
+        q4 = _q4_blocks(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
             dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        dense = {m: q4[m].dequantize(self.dtype) if m in q4 else m.weight.detach() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
-            weight = first.mlp.gate_up_proj.weight.detach()
+            weight = dense[first.mlp.gate_up_proj]
             self.bf16_dot = _fastest_dot(cpu_kernels.bf16_dots(), cpu_kernels.set_bf16_dot,
                                          PackedLinear(pack(weight), weight.shape[0]), weight.shape[1], BF16_DOT_ROWS)
             if self.bf16_dot == "amx":
@@ -162,12 +166,22 @@ class CpuBackend(TorchBackend):
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
         else:
-            self.plan = measure_plan([m.weight.detach() for m in projections],
+            self.plan = measure_plan([dense[m] for m in projections],
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
                                      self.config.gemm_kernels)
         library = self.plan.uses_library
+        gate_up = first.mlp.gate_up_proj
+        if q4 and (library or self.bf16_dot != "amx" or gate_up not in q4
+                   or not _q4a_faster(q4[gate_up], dense[gate_up])):
+            for module, blocks in q4.items():  # dense after all, as the other projections
+                module.weight = torch.nn.Parameter(blocks.dequantize(self.dtype), requires_grad=False)
+            q4 = {}
+        self.q4a_panels = len(q4)
         for module in model.modules():
-            if isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
+            if isinstance(module, Linear) and module in q4:
+                module.kernel = PackedLinear(cpu_kernels.pack_weight_q4a(q4[module].values(), q4[module].d,
+                                                                         q4[module].m), module.out_features)
+            elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
                 module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations)
             elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
@@ -246,8 +260,40 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
+        products += f", {self.q4a_panels} projections as Q4A panels" if self.q4a_panels else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
         return f"cpu backend (C kernels, {products} products{int8})"
+
+
+def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, QuantizedWeight]:
+    """The projections held as Q4 blocks (a GGUF file's Q4_0 and Q4_1), taken out of their layers (decoded from the
+    file's bytes): what AMX can multiply as Q4A panels. Not the LM head, whose panels the lookups may read."""
+    out = {}
+    for module in model.modules():
+        if (isinstance(module, Linear) and module is not model.lm_head
+                and isinstance(module.quantized, (QuantizedWeight, FileBlocks)) and module.in_features % 32 == 0):
+            blocks = module.quantized.decoded()
+            if blocks.kind == "q4":
+                module.take_quantized()
+                out[module] = blocks
+    return out
+
+
+def _q4a_faster(blocks: QuantizedWeight, dense: torch.Tensor) -> bool:
+    """Whether AMX multiplies a projection faster from its Q4 blocks widened as it goes (Q4A, 0.75 bytes a weight)
+    than from BF16A panels (2 bytes): the same bits either way, so the faster is kept, at the bodies' rows."""
+    n, k = dense.shape
+    seconds = {name: _seconds(PackedLinear(packed, n), k, BF16_DOT_ROWS) for name, packed in (
+        ("Q4A", cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m)),
+        ("BF16A", cpu_kernels.pack_weight_bf16a(dense)))}
+    logger.info("Q4 projections on AMX, ms at %s rows: %s", " + ".join(map(str, BF16_DOT_ROWS)),
+                ", ".join(f"{name} {s * 1000:.2f}" for name, s in seconds.items()))
+    return seconds["Q4A"] < seconds["BF16A"]
+
+
+def _seconds(kernel: PackedLinear | SplitLinear, in_features: int, rows: tuple[int, ...]) -> float:
+    """Seconds a product takes at each of ``rows``, summed."""
+    return sum(seconds_per_call(partial(kernel, torch.randn(m, in_features), None)) for m in rows)
 
 
 def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLinear | SplitLinear, in_features: int,
@@ -257,11 +303,10 @@ def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLi
     ``rows``, and keep the fastest in the sum, for every product of the process: measured here rather than assumed
     from the CPU's flags."""
     if len(dots) > 1:
-        xs = [torch.randn(m, in_features) for m in rows]
         seconds = {}
         for dot in dots:
             use(dot)
-            seconds[dot] = sum(seconds_per_call(partial(kernel, x, None)) for x in xs)
+            seconds[dot] = _seconds(kernel, in_features, rows)
         logger.info("dot products, ms at %s rows: %s", " + ".join(map(str, rows)),
                     ", ".join(f"{dot} {s * 1000:.2f}" for dot, s in seconds.items()))
         dots = sorted(dots, key=seconds.get)

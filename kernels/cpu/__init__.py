@@ -164,8 +164,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), and BF16A's bfloat16 pairs
 # are viewed as float16: dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
-                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12}
+                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
+                  torch.float8_e4m3fn: 13}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
+                torch.float8_e4m3fn: "Q4A",
                 **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
@@ -284,6 +286,33 @@ def pack_weight_bf16a(weight: torch.Tensor) -> torch.Tensor:
     return _bf16_pairs(weight, BF16A_WIDTH, torch.float16)
 
 
+Q4A_TILE_BYTES = 2 * 16 * 4 + 16 * 16  # amx.c: a tile's d and m (fp32) for its 16 columns, then 16 rows of nibbles
+
+
+def pack_weight_q4a(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4 blocks (``engine/models/quantized.py``'s q4 kind: values ``q`` uint8 [N, K/32, 32] in 0..15, ``d`` and ``m``
+    fp32 [N, K/32]) as Q4A panels for AMX, which widens them to bfloat16 tiles as it multiplies: the bits of the
+    BF16A panels of the weight dequantized (d q + m in fp32) and rounded to bfloat16, in 0.75 bytes a weight
+    instead of 2. Per 32 columns and 32 inputs, two tiles of Q4A_TILE_BYTES: 16 columns' d, their m, then per pair
+    of inputs (k, k + 1) 16 bytes whose low nibbles are columns 0-7's and high nibbles columns 8-15's, each
+    column's k then k + 1 (float8 [ceil(N / 32), K / 32, 2 Q4A_TILE_BYTES], a dtype that only names the format).
+    Only where ``"amx" in bf16_dots()``."""
+    if "amx" not in bf16_dots():
+        raise ValueError("Q4A panels need AMX tiles, which this CPU or build lacks")
+    n, blocks_k, _ = q.shape
+    panels, pad = cdiv(n, BF16A_WIDTH), cdiv(n, BF16A_WIDTH) * BF16A_WIDTH - n
+    if pad:  # columns past N: weights of 0
+        q, d, m = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
+    # [panel, tile, half, column, block, pair, k of the pair] -> [panel, block, tile, pair, half, column, k]
+    nibbles = q.view(panels, 2, 2, 8, blocks_k, 16, 2).permute(0, 4, 1, 5, 2, 3, 6).reshape(
+        panels, blocks_k, 2, 16, 2, 16)
+    nibbles = (nibbles[..., 0, :] | nibbles[..., 1, :] << 4).reshape(panels, blocks_k, 2, 256)
+    scales = [t.float().view(panels, 2, 16, blocks_k).permute(0, 3, 1, 2).contiguous().view(torch.uint8)
+              for t in (d, m)]
+    packed = torch.cat([*scales, nibbles], dim=-1).reshape(panels, blocks_k, 2 * Q4A_TILE_BYTES)
+    return packed.view(torch.float8_e4m3fn)
+
+
 def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     n, k = weight.shape
     bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
@@ -335,6 +364,10 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
             raise ValueError(f"{blocks.K_QUANT_NAMES[packed.dtype]} panels hold {expected} bytes per 256 inputs, "
                              f"got {tuple(packed.shape)} {packed.dtype}")
         return packed.shape[1] * blocks.SUPER, packed.shape[0] * width
+    if packed.dtype == torch.float8_e4m3fn:
+        if packed.shape[2] != 2 * Q4A_TILE_BYTES:
+            raise ValueError(f"Q4A panels hold {2 * Q4A_TILE_BYTES} bytes per 32 inputs, got {tuple(packed.shape)}")
+        return packed.shape[1] * blocks.GROUP, packed.shape[0] * BF16A_WIDTH
     if packed.dtype == torch.uint8 or packed.dtype in blocks.BYTE_BLOCK_SCALES:
         expected = (blocks.q4_block_bytes(width) if packed.dtype == torch.uint8
                     else blocks.q8_block_bytes(width, blocks.BYTE_BLOCK_SCALES[packed.dtype]))
@@ -397,6 +430,8 @@ def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.
     in_features, columns = packed_geometry(packed)
     if columns < num_rows:
         raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
+    if packed.dtype == torch.float8_e4m3fn:
+        raise ValueError("Q4A panels are read by AMX products only, not by lookups")
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
     bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,

@@ -8,6 +8,11 @@
  * 16 rows of k pairs, a panel's width of words apart. The engine packs BF16A panels, 32 columns, two whole tiles;
  * BF16C's 24 columns also run here, their second tile op half empty.
  *
+ * Q4A panels (a GGUF file's Q4_0/Q4_1 projections in a bfloat16 process) hold the blocks instead, 0.75 bytes a
+ * weight: the vector units widen each panel into bfloat16 tiles while the tiles multiply the panel before it, the
+ * bits of the dequantized weight's BF16A panels. Where a batch's products stream their weights from DRAM (a few to
+ * a hundred rows), fewer bytes read is the saving; the backend times Q4A against BF16A at start-up.
+ *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
  * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
  * and here a row's result does not depend on the other rows: the same tiles and the same k order for any M, the
@@ -19,7 +24,7 @@
 
 #include "ops.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -77,21 +82,66 @@ static void round_rows(const float *x, int64_t ldx, uint16_t *a, int r0, int r1,
     }
 }
 
+/* Where a panel's tiles of weights lie: the first of each 32 k at panel + (k / 32) step, the second `second` bytes
+ * after it, each tile's rows `stride` bytes apart. */
+struct tiles {
+    int64_t step, second, stride;
+};
+
+static inline struct tiles tiles_of(int nr) { /* BF16C and BF16A: a tile's row is part of a panel's row */
+    return (struct tiles){(int64_t)TILE_K / 2 * nr * 4, 64, nr * 4};
+}
+
+static const struct tiles WIDENED = {2 * 1024, 1024, 64}; /* a Q4A panel widened: each tile one run of 1 KiB */
+
+#define Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16) /* d and m of 16 columns (fp32), then 16 rows of 16 bytes of nibbles */
+
+/* Tiles t0 .. t1 of a Q4A panel (two per 32 k) widened to bfloat16 in WIDENED's layout at out: each row's 32
+ * nibbles (16 columns x a pair of k) as d q + m in fp32 (d q exact, so one rounding: the dequantized weight's
+ * bits), rounded to bfloat16, nearest even: the bits of that weight's BF16A panels. */
+static inline __attribute__((always_inline)) void widen_q4a(const char *panel, int t0, int t1, uint16_t *out) {
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
+    for (int t = t0; t < t1; t++) {
+        const char *b = panel + (int64_t)t * Q4A_TILE_BYTES;
+        const __m512 d = _mm512_loadu_ps(b), m = _mm512_loadu_ps(b + 64);
+        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+        const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
+        const char *nib = b + 128;
+        uint16_t *o = out + (int64_t)t * 512;
+        for (int r = 0; r < 16; r++) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + 16 * r)));
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), dlo, mlo);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dhi, mhi);
+            _mm512_store_si512(o + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* What a panel's tile loop also does: widen a Q4A panel (src, NULL for none) into dst, each k step's two tiles just
+ * before the tile loads that read them. */
+struct widening {
+    const char *src;
+    uint16_t *dst;
+};
+
 /* The tiles' sums of one row group (or two, ``two``), stored at out (row stride ldo floats). */
-static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a0, const char *panel, int nr, int K,
-                                                               int two, float *out, int64_t ldo) {
+static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a0, const char *panel, struct tiles w,
+                                                               int K, int two, float *out, int64_t ldo,
+                                                               struct widening widen) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
         _tile_zero(2);
         _tile_zero(3);
     }
-    const int stride = nr * 4, lda = K * 2;
+    const int lda = K * 2;
     const uint16_t *a1 = a0 + 16 * (int64_t)K;
     for (int k = 0; k < K; k += TILE_K) {
-        const char *b = panel + (int64_t)(k / 2) * stride;
-        _tile_loadd(6, b, stride);
-        _tile_loadd(7, b + 64, stride);
+        if (widen.src) widen_q4a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+        const char *b = panel + (int64_t)(k / TILE_K) * w.step;
+        _tile_loadd(6, b, w.stride);
+        _tile_loadd(7, b + w.second, w.stride);
         _tile_loadd(4, a0 + k, lda);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -109,11 +159,11 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
     }
 }
 
-/* Panel p's columns of y for every row, two row groups of 16 at a time. A pair of groups whose rows and columns
- * all lie in y is stored there straight from the tiles; the last, partial one goes through a buffer. */
-static void panel_product(int p, const uint16_t *a, const void *packed, int nr, const float *bias, float *y,
-                          int64_t ldy, int M, int N, int K, int groups) {
-    const char *panel = (const char *)packed + (int64_t)p * K * nr * 2;
+/* Panel p's columns of y for every row, two row groups of 16 at a time, its weights at panel (laid out as w says;
+ * a Q4A panel widened there during the first pair). A pair of groups whose rows and columns all lie in y is stored
+ * there straight from the tiles; the last, partial one goes through a buffer. */
+static void panel_product(int p, const uint16_t *a, const char *panel, struct tiles w, struct widening widen, int nr,
+                          const float *bias, float *y, int64_t ldy, int M, int N, int K, int groups) {
     const int n0 = p * nr, cols = N - n0 < nr ? N - n0 : nr;
     float buffer[32 * 32] __attribute__((aligned(64)));
     for (int g = 0; g < groups; g += 2) {
@@ -122,9 +172,10 @@ static void panel_product(int p, const uint16_t *a, const void *packed, int nr, 
         float *out = direct ? y + m0 * ldy + n0 : buffer;
         const int64_t ldo = direct ? ldy : 32;
         if (two)
-            panel_groups(a + (int64_t)m0 * K, panel, nr, K, 1, out, ldo);
+            panel_groups(a + (int64_t)m0 * K, panel, w, K, 1, out, ldo, widen);
         else
-            panel_groups(a + (int64_t)m0 * K, panel, nr, K, 0, out, ldo);
+            panel_groups(a + (int64_t)m0 * K, panel, w, K, 0, out, ldo, widen);
+        widen.src = NULL;
         for (int r = 0; r < rows; r++) {
             float *yr = y + (m0 + r) * ldy + n0;
             const float *o = out + r * ldo;
@@ -136,9 +187,26 @@ static void panel_product(int p, const uint16_t *a, const void *packed, int nr, 
     }
 }
 
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
-                        int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8) return -1;
+/* Panel p of Q4A weights: widened into this thread's buffer a k step at a time just ahead of the first row pair's
+ * tile loads, then read as it is by the other pairs. NOTE: widening the next panel under this one's tile ops (two
+ * buffers taking turns) measured no faster at 1-256 rows (docs/benchmarks.md). */
+static void q4a_panel_product(int p, const uint16_t *a, const void *packed, const float *bias, float *y, int64_t ldy,
+                              int M, int N, int K, int groups) {
+    static __thread uint16_t *widened = 0;
+    static __thread int64_t widened_k = 0;
+    if (K > widened_k) {
+        free(widened);
+        widened = (uint16_t *)aligned_alloc(64, (size_t)K * 32 * 2);
+        widened_k = K;
+    }
+    const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * Q4A_TILE_BYTES, widened};
+    panel_product(p, a, (const char *)widened, WIDENED, here, HP_BF16A_WIDTH, bias, y, ldy, M, N, K, groups);
+}
+
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int q4a, const float *bias,
+                        float *y, int64_t ldy, int M, int N, int K) {
+    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8 || (q4a && nr != HP_BF16A_WIDTH))
+        return -1;
     if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
@@ -153,13 +221,19 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     const int panels = (N + nr - 1) / nr, threads = omp_get_max_threads();
     /* one or a few rows stream the weights: long runs of consecutive panels per thread, for the prefetcher */
     const int chunk = M <= 4 ? (panels + 2 * threads - 1) / (2 * threads) : (panels + 16 * threads - 1) / (16 * threads);
+    const struct widening none = {NULL, NULL};
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
         load_config(rows, nr);
 #pragma omp for schedule(dynamic, chunk)
-        for (int p = 0; p < panels; p++) panel_product(p, a, packed, nr, bias, y, ldy, M, N, K, groups);
+        for (int p = 0; p < panels; p++)
+            if (q4a)
+                q4a_panel_product(p, a, packed, bias, y, ldy, M, N, K, groups);
+            else
+                panel_product(p, a, (const char *)packed + (int64_t)p * K * nr * 2, tiles_of(nr), none, nr, bias, y,
+                              ldy, M, N, K, groups);
         _tile_release();
     }
     return 0;
@@ -167,9 +241,9 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 
 #else
 int hp_amx_bf16_available(void) { return 0; }
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, const float *bias, float *y,
-                        int64_t ldy, int M, int N, int K) {
-    (void)x, (void)ldx, (void)packed, (void)nr, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int q4a, const float *bias,
+                        float *y, int64_t ldy, int M, int N, int K) {
+    (void)x, (void)ldx, (void)packed, (void)nr, (void)q4a, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
     return -1;
 }
 #endif

@@ -769,7 +769,7 @@ static __attribute__((noinline)) void panel_product_bf16c_fma(int p, int m0, int
  * as needed and kept: a decode step calls this ~4 times a layer. Row blocks (multiples of MRB) stay in L2. */
 static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
                          int M, int N, int K) {
-    if (bf16_dot == HP_BF16_AMX && hp_linear_bf16c_amx(x, ldx, packed, NR, bias, y, ldy, M, N, K) == 0) return;
+    if (bf16_dot == HP_BF16_AMX && hp_linear_bf16c_amx(x, ldx, packed, NR, 0, bias, y, ldy, M, N, K) == 0) return;
     static __thread uint32_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int64_t need = (int64_t)((M + MRB - 1) / MRB) * MRB * (K / 2);
@@ -831,8 +831,9 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
         linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
-    } else if (format == HP_BF16A) { /* packed only where AMX runs (kernels/cpu/__init__.py): NaN, never garbage */
-        if (hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, bias, y, ldy, M, N, K))
+    } else if (format == HP_BF16A || format == HP_Q4A) { /* packed only where AMX runs (kernels/cpu/__init__.py):
+                                                            * NaN, never garbage */
+        if (hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_Q4A, bias, y, ldy, M, N, K))
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
     } else {
