@@ -55,7 +55,7 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 # (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
 # faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
-Q4A_TIMING_BYTES = 32 << 20  # bfloat16 weights over which Q4A is timed against BF16A: past any core's L2
+Q4A_TIMING_BYTES = 1 << 30  # bfloat16 weights over which Q4A is timed against BF16A (_q4a_faster)
 
 
 @dataclass(frozen=True)
@@ -279,32 +279,38 @@ def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, QuantizedWeight]:
 
 
 def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], dtype: torch.dtype) -> bool:
-    """Whether AMX multiplies Q4 projections faster from their blocks widened as it goes (Q4A, 0.75 bytes a weight)
-    than from BF16A panels (2 bytes): the same bits either way, so the faster is kept. Timed at the bodies' rows over
-    the gate/up projections of the first layers, Q4A_TIMING_BYTES of them in bfloat16: the saving is in bytes
-    streamed from memory, which one weight that stays in cache would not show (it timed 0.35 against 0.33 ms)."""
-    packs: dict[str, list[torch.Tensor]] = {"Q4A": [], "BF16A": []}
-    size, n, k = 0, 0, 0
+    """Whether AMX multiplies the Q4 projections faster from their blocks widened as it goes (Q4A, 0.75 bytes a
+    weight) than from BF16A panels (2 bytes): the same bits either way, so the faster is kept. Timed at the bodies'
+    rows over every projection of as many layers as Q4A_TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE:
+    the saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large
+    L3, ten layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
+    packs: dict[str, list[tuple[PackedLinear, int]]] = {"Q4A": [], "BF16A": []}
+    size = 0
     for layer in model.layers:
-        blocks = q4.get(layer.mlp.gate_up_proj)
-        if blocks is None or size >= Q4A_TIMING_BYTES:
+        modules = [m for m in layer.modules() if m in q4]
+        if not modules or size >= Q4A_TIMING_BYTES:
             break
-        dense = blocks.dequantize(dtype)
-        (n, k), size = dense.shape, size + dense.numel() * dense.element_size()
-        packs["Q4A"].append(cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m))
-        packs["BF16A"].append(cpu_kernels.pack_weight_bf16a(dense))
+        for module in modules:
+            blocks = q4[module]
+            dense = blocks.dequantize(dtype)
+            size += dense.numel() * dense.element_size()
+            n, k = dense.shape
+            packs["Q4A"].append((PackedLinear(cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m), n), k))
+            packs["BF16A"].append((PackedLinear(cpu_kernels.pack_weight_bf16a(dense), n), k))
     if not packs["Q4A"]:
         return False
-    seconds = {name: _seconds(partial(_each, [PackedLinear(p, n) for p in packed]), k, BF16_DOT_ROWS)
-               for name, packed in packs.items()}
-    logger.info("Q4 projections on AMX (%d gate/up weights), ms at %s rows: %s", len(packs["Q4A"]),
-                " + ".join(map(str, BF16_DOT_ROWS)), ", ".join(f"{name} {s * 1000:.2f}" for name, s in seconds.items()))
+    seconds = {name: sum(seconds_per_call(partial(_each, kernels, rows)) for rows in BF16_DOT_ROWS)
+               for name, kernels in packs.items()}
+    logger.info("Q4 projections on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(packs["Q4A"]),
+                size / 2**20, " + ".join(map(str, BF16_DOT_ROWS)),
+                ", ".join(f"{name} {s * 1000:.2f}" for name, s in seconds.items()))
     return seconds["Q4A"] < seconds["BF16A"]
 
 
-def _each(kernels: list[PackedLinear], x: torch.Tensor, bias: torch.Tensor | None) -> None:
-    for kernel in kernels:
-        kernel(x, bias)
+def _each(kernels: list[tuple[PackedLinear, int]], rows: int) -> None:
+    inputs = {k: torch.zeros(rows, k) for _, k in kernels}
+    for kernel, k in kernels:
+        kernel(inputs[k], None)
 
 
 def _seconds(kernel: PackedLinear | SplitLinear, in_features: int, rows: tuple[int, ...]) -> float:

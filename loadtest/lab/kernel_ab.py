@@ -14,13 +14,15 @@ from DRAM too.
     python -m loadtest.lab.kernel_ab HEAD --rows 1 --kv-dtype float32,bfloat16            # the pool's element types
     python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --int8-activations --rows 1,64 --seqs 1  # int8 products
     python -m loadtest.lab.kernel_ab HEAD WORKTREE --format amx --rows 16,64,128 --seqs 1  # BF16A panels on AMX tiles
+    python -m loadtest.lab.kernel_ab WORKTREE --format amx,q4a --rows 1,16,64 --seqs 1    # against Q4A panels
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
 code, so the variants must read the same layout; ``amx`` is bfloat16 weights in BF16A panels, every variant's
-products on AMX tiles (a CPU with AMX only). ``--kv-dtype`` lists the K/V pool types to time the attention with
-(each variant with each; revisions before bfloat16 pools read any pool as fp32, and before int8 pools cannot read
-them: time int8 with revisions that have it).
+products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 blocks in Q4A panels. Several formats
+(``--format amx,q4a``) are timed each with each variant, interleaved. ``--kv-dtype`` lists the K/V pool types to
+time the attention with (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before
+int8 pools cannot read them: time int8 with revisions that have it).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kernels.cpu import (
     find_compiler,
     pack_weight_bf16a,
     pack_weight_compact,
+    pack_weight_q4a,
 )
 from loadtest.lab.compact_gemm import GRIDS
 
@@ -98,6 +101,32 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     sources = [str(src / p.name) for p in _SOURCES if (src / p.name).exists()]
     subprocess.run([find_compiler() or "cc", *_FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
     return declare(ctypes.CDLL(str(lib)))
+
+
+FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS))
+
+
+def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
+                 dll: ctypes.CDLL | None = None) -> list[tuple[torch.Tensor, int, int]]:
+    """A step's weights packed as ``fmt``'s panels: fp32 by ``dll``'s own packing (revisions may differ), the others
+    by the working tree's. q4a: the projections as Q4 blocks in Q4A panels, the LM head (the last shape) in BF16A,
+    as the engine packs the default GGUF in bfloat16 on AMX."""
+    out = []
+    for i, (n, k) in enumerate(shapes):
+        if fmt == "fp32":
+            weight = packed(dll, torch.randn(n, k, generator=gen) * k**-0.5)
+        elif fmt == "q4a" and i < len(shapes) - 1:
+            q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
+            d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
+            weight = pack_weight_q4a(q, d, -8 * d)
+        elif fmt in ("amx", "q4a"):
+            weight = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
+        else:
+            make, dtype = GRIDS[fmt]
+            weight = pack_weight_compact(make(n, k, gen))
+            assert weight.dtype == dtype, f"{fmt} weight packed as {weight.dtype}"
+        out.append((weight, n, k))
+    return out
 
 
 def packed(dll: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
@@ -187,12 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqs", default="1,4,16,64", help="decode sequences for the attention")
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
-    p.add_argument("--format", default="fp32", choices=["fp32", "amx", *sorted(GRIDS)],
-                   help="the weights' panels")
+    p.add_argument("--format", default="fp32", help=f"the weights' panels, one or more of {', '.join(FORMATS)}")
     p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16, int8")
     p.add_argument("--int8-activations", action="store_true",
                    help="block panels (--format q4, q8) multiply activations rounded to int8 (--quantized-matmul int8)")
     args = p.parse_args(argv)
+    formats = args.format.split(",")
+    if set(formats) - set(FORMATS):
+        p.error(f"--format: unknown {', '.join(sorted(set(formats) - set(FORMATS)))}; known: {', '.join(FORMATS)}")
     known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
     kv_names = args.kv_dtype.split(",")
     unknown = set(kv_names) - set(known)
@@ -202,35 +233,23 @@ def main(argv: list[str] | None = None) -> None:
     s, gen = Shapes(), torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
-        if args.format == "amx" and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
-            p.error("--format amx: this CPU (or a variant) has no AMX tiles")
+        if {"amx", "q4a"} & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
+            p.error("--format amx, q4a: this CPU (or a variant) has no AMX tiles")
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
-        packs: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
-        for n, k in shapes:  # every layer its own weights: a step streams them from DRAM, as a real one does
-            if args.format == "fp32":
-                w = torch.randn(n, k, generator=gen) * k**-0.5
-                for d, pk in zip(dlls, packs, strict=True):
-                    pk.append((packed(d, w), n, k))
-            elif args.format == "amx":
-                bf16a = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
-                for pk in packs:
-                    pk.append((bf16a, n, k))
-            else:
-                make, dtype = GRIDS[args.format]
-                compact = pack_weight_compact(make(n, k, gen))
-                assert compact.dtype == dtype, f"{args.format} weight packed as {compact.dtype}"
-                for pk in packs:
-                    pk.append((compact, n, k))
+        # per format, per variant: every layer its own weights, so a step streams them from DRAM, as a real one does
+        packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32" else [step_weights(f, shapes, gen)]
+                 * len(dlls) for f in formats}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
             y = torch.empty(rows, s.vocab)
             flop = sum(2.0 * rows * n * k for n, k in shapes)
             flags = HP_Q8X if args.int8_activations else 0
-            runs = [partial(gemm_round, d, pk, x, y, rows, flags) for d, pk in zip(dlls, packs, strict=True)]
+            runs = [partial(gemm_round, d, pk, x, y, rows, flags) for f in formats
+                    for d, pk in zip(dlls, packs[f], strict=True)]
+            names = [f"{v} ({f} panels)" if len(formats) > 1 else v for f in formats for v in args.variants]
             times = interleave(runs, args.rounds)
-            kind = f"{args.format} panels" + (", int8 activations" if flags else "")
-            report(f"GEMMs of one step ({s.layers} layers and the LM head, {kind}), {rows} rows", args.variants, times,
-                   flop)
+            kind = f"{', '.join(formats)} panels" + (", int8 activations" if flags else "")
+            report(f"GEMMs of one step ({s.layers} layers and the LM head, {kind}), {rows} rows", names, times, flop)
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
                 pools = [Pool.make(s, seqs, context, gen, known[name]) for name in kv_names]
