@@ -268,6 +268,16 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     attention = out.strip().split("\n\n")[-1].splitlines()
     assert [row.split("|")[1].strip() for row in attention[3:]] == ["WORKTREE (float32 pool)",
                                                                    "WORKTREE (bfloat16 pool)"]
+    with pytest.raises(SystemExit):
+        kernel_ab_main(["WORKTREE", "--format", "fp32,q3"])
+    from kernels import cpu
+
+    if "amx" in cpu.bf16_dots():  # BF16A against Q4A panels, interleaved, each a row of the one table
+        kernel_ab_main(["WORKTREE", "--format", "amx,q4a", "--rows", "2", "--seqs", "1", "--context", "1",
+                        "--rounds", "1"])
+        gemm = capsys.readouterr().out.strip().split("\n\n")[0].splitlines()
+        assert gemm[0] == "GEMMs of one step (30 layers and the LM head, amx, q4a panels), 2 rows"
+        assert [row.split("|")[1].strip() for row in gemm[3:]] == ["WORKTREE (amx panels)", "WORKTREE (q4a panels)"]
 
 
 def test_int8_gemm_lab_times_both_ways_per_type_and_row_count(capsys):
