@@ -273,7 +273,9 @@ def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, QuantizedWeight]:
                 and isinstance(module.quantized, (QuantizedWeight, FileBlocks)) and module.in_features % 32 == 0):
             blocks = module.quantized.decoded()
             if blocks.kind == "q4":
-                module.take_quantized()
+                taken = module.take_quantized()
+                if isinstance(taken, FileBlocks):
+                    taken.release()  # decoded: the mapping's pages go back, as after packing (_pack_quantized)
                 out[module] = blocks
     return out
 
@@ -299,7 +301,8 @@ def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], dtyp
             packs["BF16A"].append((PackedLinear(cpu_kernels.pack_weight_bf16a(dense), n), k))
     if not packs["Q4A"]:
         return False
-    seconds = {name: sum(seconds_per_call(partial(_each, kernels, rows)) for rows in BF16_DOT_ROWS)
+    inputs = [{k: torch.randn(rows, k) for _, k in packs["Q4A"]} for rows in BF16_DOT_ROWS]
+    seconds = {name: sum(seconds_per_call(partial(_each, kernels, x)) for x in inputs)
                for name, kernels in packs.items()}
     logger.info("Q4 projections on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(packs["Q4A"]),
                 size / 2**20, " + ".join(map(str, BF16_DOT_ROWS)),
@@ -307,8 +310,7 @@ def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], dtyp
     return seconds["Q4A"] < seconds["BF16A"]
 
 
-def _each(kernels: list[tuple[PackedLinear, int]], rows: int) -> None:
-    inputs = {k: torch.zeros(rows, k) for _, k in kernels}
+def _each(kernels: list[tuple[PackedLinear, int]], inputs: dict[int, torch.Tensor]) -> None:
     for kernel, k in kernels:
         kernel(inputs[k], None)
 

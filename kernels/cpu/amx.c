@@ -9,8 +9,8 @@
  * BF16C's 24 columns also run here, their second tile op half empty.
  *
  * Q4A panels (a GGUF file's Q4_0/Q4_1 projections in a bfloat16 process) hold the blocks instead, 0.75 bytes a
- * weight: the vector units widen each panel into bfloat16 tiles while the tiles multiply the panel before it, the
- * bits of the dequantized weight's BF16A panels. Where a batch's products stream their weights from DRAM (a few to
+ * weight: the vector units widen each k step's two tiles to bfloat16 just before the tile ops read them, the bits
+ * of the dequantized weight's BF16A panels. Where a batch's products stream their weights from DRAM (a few to
  * a hundred rows), fewer bytes read is the saving; the backend times Q4A against BF16A at start-up.
  *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
