@@ -1323,8 +1323,13 @@ struct trickle {
 };
 
 static inline struct trickle trickle_of(const char *next, int64_t bytes, int tiles) {
-    const int64_t lines = (bytes + 63) / 64, per_tile = (lines + tiles - 1) / (tiles > 0 ? tiles : 1);
+    const int64_t lines = (bytes + 63) / 64, per_tile = (lines + tiles - 1) / tiles; /* tiles >= 1 */
     return (struct trickle){next, bytes, 0, per_tile * 64};
+}
+
+/* Block b + 1 of a chunk's pass over cache, or NULL after its last block. */
+static inline const char *block_after(const void *cache, const int32_t *table, int b, int last, int64_t block_bytes) {
+    return b < last ? (const char *)cache + table[b + 1] * block_bytes : NULL;
 }
 
 static inline void trickle_some(struct trickle *t) {
@@ -1472,14 +1477,14 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     const int kv_format) {
     const int num_heads = num_kv_heads * group, tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT);
     const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb; /* bytes of a head's row, a position's */
-    const int64_t block_bytes = block_size * row, last = (len - 1) / block_size;
-    /* the block after block b of a pass: the pass's next, and after K's last block V's first */
-#define AFTER(b, cache) ((b) < last ? (const char *)(cache) + table[(b) + 1] * block_bytes : NULL)
+    const int64_t block_bytes = block_size * row;
+    const int last = (len - 1) / block_size;
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
         const char *kb = touch_block(k_cache, table, p0, end, block_size, row);
-        struct trickle t = trickle_of(b < last ? AFTER(b, k_cache) : (const char *)v_cache + table[0] * block_bytes,
-                                      block_bytes, tiles * ((end - p0 + 7) / 8));
+        const char *next = block_after(k_cache, table, b, last, block_bytes); /* after K's last block, V's first */
+        struct trickle t = trickle_of(next ? next : (const char *)v_cache + table[0] * block_bytes, block_bytes,
+                                      tiles * ((end - p0 + 7) / 8));
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
@@ -1507,7 +1512,8 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
     for (int p0 = 0; p0 < len; p0 += block_size) {
         int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
         const char *vb = touch_block(v_cache, table, p0, end, block_size, row);
-        struct trickle t = trickle_of(AFTER(b, v_cache), block_bytes, tiles * ((D + 63) / 64));
+        struct trickle t = trickle_of(block_after(v_cache, table, b, last, block_bytes), block_bytes,
+                                      tiles * ((D + 63) / 64));
         for (int h = 0; h < num_kv_heads; h++)
             for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                 const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
@@ -1519,7 +1525,6 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
             }
         trickle_rest(&t);
     }
-#undef AFTER
 }
 
 static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
