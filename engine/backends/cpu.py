@@ -171,15 +171,18 @@ class CpuBackend(TorchBackend):
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
                                      self.config.gemm_kernels)
         library = self.plan.uses_library
-        if q4 and (library or self.bf16_dot != "amx" or not _q4a_faster(model, q4, self.dtype)):
+        q4a = {}
+        if q4 and not library and self.bf16_dot == "amx":
+            q4a = {module: cpu_kernels.pack_weight_q4a(b.values(), b.d, b.m) for module, b in q4.items()}
+            if not _q4a_faster(model, q4, q4a, self.dtype):
+                q4a = {}
+        if q4 and not q4a:
             for module, blocks in q4.items():  # dense after all, as the other projections
                 module.weight = torch.nn.Parameter(blocks.dequantize(self.dtype), requires_grad=False)
-            q4 = {}
-        self.q4a_panels = len(q4)
+        self.q4a_panels = len(q4a)
         for module in model.modules():
-            if isinstance(module, Linear) and module in q4:
-                module.kernel = PackedLinear(cpu_kernels.pack_weight_q4a(q4[module].values(), q4[module].d,
-                                                                         q4[module].m), module.out_features)
+            if isinstance(module, Linear) and module in q4a:
+                module.kernel = PackedLinear(q4a[module], module.out_features)
             elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
                 module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations)
             elif isinstance(module, Linear) and module is not model.lm_head:
@@ -280,12 +283,13 @@ def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, QuantizedWeight]:
     return out
 
 
-def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], dtype: torch.dtype) -> bool:
-    """Whether AMX multiplies the Q4 projections faster from their blocks widened as it goes (Q4A, 0.75 bytes a
-    weight) than from BF16A panels (2 bytes): the same bits either way, so the faster is kept. Timed at the bodies'
-    rows over every projection of as many layers as Q4A_TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE:
-    the saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large
-    L3, ten layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
+def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], panels: dict[Linear, torch.Tensor],
+                dtype: torch.dtype) -> bool:
+    """Whether AMX multiplies the Q4 projections faster from their Q4A ``panels`` (blocks widened as it goes, 0.75
+    bytes a weight) than from BF16A panels (2 bytes): the same bits either way, so the faster is kept. Timed at the
+    bodies' rows over every projection of as many layers as Q4A_TIMING_BYTES of bfloat16 hold, as a step streams
+    them. NOTE: the saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share
+    a large L3, ten layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
     packs: dict[str, list[tuple[PackedLinear, int]]] = {"Q4A": [], "BF16A": []}
     size = 0
     for layer in model.layers:
@@ -293,11 +297,10 @@ def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], dtyp
         if not modules or size >= Q4A_TIMING_BYTES:
             break
         for module in modules:
-            blocks = q4[module]
-            dense = blocks.dequantize(dtype)
+            dense = q4[module].dequantize(dtype)
             size += dense.numel() * dense.element_size()
             n, k = dense.shape
-            packs["Q4A"].append((PackedLinear(cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m), n), k))
+            packs["Q4A"].append((PackedLinear(panels[module], n), k))
             packs["BF16A"].append((PackedLinear(cpu_kernels.pack_weight_bf16a(dense), n), k))
     if not packs["Q4A"]:
         return False
