@@ -279,21 +279,42 @@ def test_q4a_panels_are_refused_without_amx():
         cpu.pack_weight_q4a(q, d, m)
 
 
+def _q4a_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
+    """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its Q4 projections as Q4A panels (True) and as
+    BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
+    with the number of Q4A projections."""
+    from engine.backends import cpu as cpu_backend
+
+    def amx(dots: list[str], use, *_) -> str:
+        use("amx")
+        return "amx"
+
+    params, out = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), {}
+    for widened in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_backend, "_q4a_faster", lambda _, widened=widened: widened)
+            patch.setattr(cpu_backend, "_fastest_dot", amx)
+            llm = LLM(model, **quick(dtype="bfloat16", gemm_kernels="c", **options))
+        backend = llm.engine.backend
+        assert backend.bf16_dot == "amx", backend.describe()
+        out[widened] = backend.q4a_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    return out
+
+
 @pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
 def test_the_default_gguf_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(prompt_ids):
     """The shipped SmolLM2 GGUF's Q4_1 projections in bfloat16 on AMX: kept as Q4A panels where start-up times
     them faster, else dequantized into BF16A panels. The same bits, so the same greedy tokens either way."""
-    from engine.backends import cpu as cpu_backend
+    out = _q4a_and_bf16a_tokens(None, prompt_ids)
+    assert out[True][0] == 4 * 30 and out[False][0] == 0
+    assert out[True][1] == out[False][1]
 
-    params, tokens = SamplingParams(temperature=0, max_tokens=MAX_NEW), {}
-    for widened in (True, False):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(cpu_backend, "_q4a_faster", lambda *_, widened=widened: widened)
-            llm = LLM(None, **quick(dtype="bfloat16", gemm_kernels="c"))
-        backend = llm.engine.backend
-        if backend.bf16_dot != "amx":
-            pytest.skip(f"start-up timed {backend.bf16_dot} faster than AMX tiles")
-        assert (backend.q4a_panels == 4 * len(llm.engine.model.layers)) == widened, backend.describe()
-        tokens[widened] = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
-        del llm
-    assert tokens[True] == tokens[False]
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+def test_a_q4_k_m_file_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(small_q4_k_m):
+    """A Q4_K's scales formed per 32 inputs make Q4_1's blocks, so its projections are Q4A panels too; Q6_K's, and
+    q/k/v where v is Q6_K (two types), stay dense. Layers 0, 3, 6 and 7 of the 8 have Q6_K attn_v and ffn_down."""
+    out = _q4a_and_bf16a_tokens(str(small_q4_k_m), ["Hello there", "Once upon a time, in a land"], max_model_len=256)
+    assert out[True][0] == 4 * 4 + 2 * 4 and out[False][0] == 0
+    assert out[True][1] == out[False][1]

@@ -55,7 +55,8 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 # (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
 # faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
-Q4A_TIMING_BYTES = 1 << 30  # bfloat16 weights over which Q4A is timed against BF16A (_q4a_faster)
+Q4A_TIMING_BYTES = 1 << 30  # bfloat16 weights over which Q4A is timed against BF16A (_q4a_if_faster)
+Q4A_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a GGUF file's types whose blocks Q4A panels hold (q4: d q + m per 32 inputs)
 
 
 @dataclass(frozen=True)
@@ -150,13 +151,13 @@ class CpuBackend(TorchBackend):
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
         first = model.layers[0]
         quantized = first.mlp.gate_up_proj.quantized is not None
-        # a GGUF file's Q4_0/Q4_1 projections, kept as blocks for AMX to widen (Q4A) if it times faster there
+        # a GGUF file's Q4_0/Q4_1/Q4_K projections, kept as blocks for AMX to widen (Q4A) if it times faster there
         q4 = _q4_blocks(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
             dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        dense = {m: q4[m].dequantize(self.dtype) if m in q4 else m.weight.detach() for m in projections}
+        dense = {m: _as_q4(q4[m]).dequantize(self.dtype) if m in q4 else m.weight.detach() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
             weight = dense[first.mlp.gate_up_proj]
@@ -170,15 +171,20 @@ class CpuBackend(TorchBackend):
             self.plan = measure_plan([dense[m] for m in projections],
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
                                      self.config.gemm_kernels)
+        del dense
         library = self.plan.uses_library
         q4a = {}
         if q4 and not library and self.bf16_dot == "amx":
-            q4a = {module: cpu_kernels.pack_weight_q4a(b.values(), b.d, b.m) for module, b in q4.items()}
-            if not _q4a_faster(model, q4, q4a, self.dtype):
-                q4a = {}
-        if q4 and not q4a:
-            for module, blocks in q4.items():  # dense after all, as the other projections
-                module.weight = torch.nn.Parameter(blocks.dequantize(self.dtype), requires_grad=False)
+            q4a, seconds = _timed_q4a_panels(model, q4, self.dtype)
+            q4a = q4a if _q4a_faster(seconds) else {}
+        for module, source in q4.items():  # a module at a time: its decoded blocks are freed before the next's
+            if q4a and module not in q4a:
+                blocks = _as_q4(source)
+                q4a[module] = cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m)
+            elif not q4a:  # dense after all, as the other projections
+                module.weight = torch.nn.Parameter(_as_q4(source).dequantize(self.dtype), requires_grad=False)
+            if isinstance(source, FileBlocks):
+                source.release()  # packed: the mapping's pages go back, as after packing (_pack_quantized)
         self.q4a_panels = len(q4a)
         for module in model.modules():
             if isinstance(module, Linear) and module in q4a:
@@ -267,29 +273,38 @@ class CpuBackend(TorchBackend):
         return f"cpu backend (C kernels, {products} products{int8}{q4a})"
 
 
-def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, QuantizedWeight]:
-    """The projections held as Q4 blocks (a GGUF file's Q4_0 and Q4_1), taken out of their layers (decoded from the
-    file's bytes): what AMX can multiply as Q4A panels. Not the LM head, whose panels the lookups may read."""
+def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, FileBlocks | QuantizedWeight]:
+    """The projections held as Q4 blocks (a GGUF file's Q4_0, Q4_1 and Q4_K: a Q4_K's scales formed per 32 inputs
+    are Q4_1's), taken out of their layers as they are: what AMX can multiply as Q4A panels. Not the LM head, whose
+    panels the lookups may read; not a fused projection of two types (``SplitBlocks``)."""
     out = {}
     for module in model.modules():
         if (isinstance(module, Linear) and module is not model.lm_head
-                and isinstance(module.quantized, (QuantizedWeight, FileBlocks)) and module.in_features % 32 == 0):
-            blocks = module.quantized.decoded()
-            if blocks.kind == "q4":
-                taken = module.take_quantized()
-                if isinstance(taken, FileBlocks):
-                    taken.release()  # decoded: the mapping's pages go back, as after packing (_pack_quantized)
-                out[module] = blocks
+                and module.in_features % 32 == 0 and _q4_like(module.quantized)):
+            out[module] = module.take_quantized()
     return out
 
 
-def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], panels: dict[Linear, torch.Tensor],
-                dtype: torch.dtype) -> bool:
-    """Whether AMX multiplies the Q4 projections faster from their Q4A ``panels`` (blocks widened as it goes, 0.75
-    bytes a weight) than from BF16A panels (2 bytes): the same bits either way, so the faster is kept. Timed at the
-    bodies' rows over every projection of as many layers as Q4A_TIMING_BYTES of bfloat16 hold, as a step streams
-    them. NOTE: the saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share
-    a large L3, ten layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
+def _q4_like(blocks: Blocks | None) -> bool:
+    if isinstance(blocks, QuantizedWeight):
+        return blocks.kind in ("q4", "q4k")
+    return isinstance(blocks, FileBlocks) and blocks.ggml_type in Q4A_TYPES
+
+
+def _as_q4(blocks: FileBlocks | QuantizedWeight) -> QuantizedWeight:
+    """A weight of ``Q4A_TYPES`` decoded as q4 blocks (d q + m per 32 inputs)."""
+    return blocks.decoded().widen("q4")
+
+
+def _timed_q4a_panels(model: LlamaForCausalLM, q4: dict[Linear, FileBlocks | QuantizedWeight],
+                      dtype: torch.dtype) -> tuple[dict[Linear, torch.Tensor], dict[str, float]]:
+    """The Q4A panels of the first layers' Q4 projections, and the seconds AMX takes to multiply those from them
+    (blocks widened as it goes, 0.75 bytes a weight) and from BF16A panels (2 bytes): the same bits either way, so
+    the faster is kept (``_q4a_faster``). Timed at the bodies' rows over every Q4 projection of as many layers as
+    Q4A_TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the saving is in bytes read, which a small
+    working set does not show: on a Xeon whose 2 cores share a large L3, ten layers of SmolLM2 timed alike (0.99x)
+    and all thirty 0.78x (docs/benchmarks.md)."""
+    panels: dict[Linear, torch.Tensor] = {}
     packs: dict[str, list[tuple[PackedLinear, int]]] = {"Q4A": [], "BF16A": []}
     size = 0
     for layer in model.layers:
@@ -297,20 +312,26 @@ def _q4a_faster(model: LlamaForCausalLM, q4: dict[Linear, QuantizedWeight], pane
         if not modules or size >= Q4A_TIMING_BYTES:
             break
         for module in modules:
-            dense = q4[module].dequantize(dtype)
+            blocks = _as_q4(q4[module])
+            panels[module] = cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m)
+            dense = blocks.dequantize(dtype)
             size += dense.numel() * dense.element_size()
             n, k = dense.shape
             packs["Q4A"].append((PackedLinear(panels[module], n), k))
             packs["BF16A"].append((PackedLinear(cpu_kernels.pack_weight_bf16a(dense), n), k))
-    if not packs["Q4A"]:
-        return False
+    if not panels:
+        return {}, {}
     inputs = [{k: torch.randn(rows, k) for _, k in packs["Q4A"]} for rows in BF16_DOT_ROWS]
     seconds = {name: sum(seconds_per_call(partial(_each, kernels, x)) for x in inputs)
                for name, kernels in packs.items()}
     logger.info("Q4 projections on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(packs["Q4A"]),
                 size / 2**20, " + ".join(map(str, BF16_DOT_ROWS)),
                 ", ".join(f"{name} {s * 1000:.2f}" for name, s in seconds.items()))
-    return seconds["Q4A"] < seconds["BF16A"]
+    return panels, seconds
+
+
+def _q4a_faster(seconds: dict[str, float]) -> bool:
+    return bool(seconds) and seconds["Q4A"] < seconds["BF16A"]
 
 
 def _each(kernels: list[tuple[PackedLinear, int]], inputs: dict[int, torch.Tensor]) -> None:
