@@ -169,20 +169,23 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(gguf_tenso
 @pytest.mark.parametrize("kind", [*F16_AT, "Q4_K+Q6_K"], ids=lambda k: getattr(k, "name", k))
 def test_both_integer_dot_products_give_the_same_bits(gguf_tensors, kind):
     """VNNI's u8 x s8 (byte weights offset by 128, taken back off) and AVX2's maddubs (signed, with |w| x sign)
-    sum the same integers exactly, so either may serve: the backend keeps the faster (timed at start)."""
-    if kind == "Q4_K+Q6_K":
-        weight = QuantizedWeight.cat([decode(gguf_tensors["Q4_K"]), decode(gguf_tensors["Q6_K"])])
-    else:
-        weight = decode(gguf_tensors[kind.name])
+    sum the same integers exactly and fix them up alike, so either may serve: the backend keeps the faster (timed at
+    start). The weight is 1024 inputs wide (two k blocks of the panels), and the batches take every body and reach
+    past a row block (128 rows)."""
+    weight = int8_test_weight(gguf_tensors, kind)
+    cat = lambda t: None if t is None else torch.cat([t, t.flip(0)], dim=1)  # noqa: E731
+    weight = QuantizedWeight(weight.kind, cat(weight.q), cat(weight.d), cat(weight.m), weight.ggml_type,
+                             cat(weight.sub))
     packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
     torch.manual_seed(0)
-    x = torch.randn(9, 512) * 10
+    x = torch.randn(150, 1024) * torch.rand(150, 1) * 10
     x[0, :32] = 0  # a block of zero activations
     results = {}
     try:
         for dot in cpu.q8x_dots():
             cpu.set_q8x_dot(dot)
-            results[dot] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True) for rows in (1, 9)]
+            results[dot] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True)
+                            for rows in (1, 3, 9, 21, 150)]
     finally:
         cpu.set_q8x_dot(cpu.q8x_dots()[0])
     assert all(torch.equal(a, b) for a, b in zip(results["vnni"], results["maddubs"], strict=True))
