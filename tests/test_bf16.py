@@ -272,18 +272,43 @@ def test_q4a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k
         cpu.embed_rows(widened, torch.tensor([0]), n)
 
 
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("n,k", [(100, 576), (1100, 64), (33, 1536)])
+def test_q6a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k):
+    """Q6A panels hold a Q6_K's values (q in -32..31, d per 16 inputs: its fp16 d times an int8 sub-scale) in 1
+    byte a weight; widened (d (q + 32) - 32 d, exact) they are the tiles of the dequantized weight's BF16A panels."""
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-32, 32, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+    d = (torch.randn(n, k // 256 + 1, generator=gen) * 1e-3).half().float().repeat_interleave(16, dim=1)[:, :k // 16]
+    d = d * torch.randint(-128, 128, (n, k // 16), generator=gen).float()
+    weight = (d.view(n, k // 16, 1) * q.view(n, k // 16, 16).float()).reshape(n, k)  # gguf-py's, fp32
+    widened, dense = cpu.pack_weight_q6a(q, d), cpu.pack_weight_bf16a(weight)
+    assert cpu.FORMAT_NAMES[widened.dtype] == "Q6A" and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
+    assert widened.numel() == cdiv(n, 32) * 32 * k  # 1 byte a weight
+    bias = torch.randn(n, generator=gen)
+    with cpu.bf16_body("amx"):
+        for rows in (1, 3, 16, 33, 64, 100):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
+    with pytest.raises(ValueError, match="lookups"):
+        cpu.embed_rows(widened, torch.tensor([0]), n)
+
+
 @pytest.mark.skipif("amx" in BODIES or not cpu.available(), reason="the CPU has AMX tiles")
-def test_q4a_panels_are_refused_without_amx():
+def test_widened_panels_are_refused_without_amx():
     q, d, m = _q4_blocks(32, 64, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="need AMX tiles"):
         cpu.pack_weight_q4a(q, d, m)
+    with pytest.raises(ValueError, match="need AMX tiles"):
+        cpu.pack_weight_q6a(torch.zeros(32, 2, 32, dtype=torch.int8), torch.ones(32, 4))
 
 
-def _q4a_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
-    """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its Q4 projections as Q4A panels (True) and as
+def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
+    """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its GGUF blocks as Q4A/Q6A panels (True) and as
     BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
-    with the number of Q4A projections."""
+    with the number of weights from widened panels."""
     from engine.backends import cpu as cpu_backend
+    from engine.backends import widened as widened_panels
 
     def amx(dots: list[str], use, *_) -> str:
         use("amx")
@@ -292,12 +317,12 @@ def _q4a_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[b
     params, out = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), {}
     for widened in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(cpu_backend, "_q4a_faster", lambda _, widened=widened: widened)
+            patch.setattr(widened_panels, "faster", lambda _, widened=widened: widened)
             patch.setattr(cpu_backend, "_fastest_dot", amx)
             llm = LLM(model, **quick(dtype="bfloat16", gemm_kernels="c", **options))
         backend = llm.engine.backend
         assert backend.bf16_dot == "amx", backend.describe()
-        out[widened] = backend.q4a_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        out[widened] = backend.widened_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     return out
 
@@ -306,15 +331,17 @@ def _q4a_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[b
 def test_the_default_gguf_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(prompt_ids):
     """The shipped SmolLM2 GGUF's Q4_1 projections in bfloat16 on AMX: kept as Q4A panels where start-up times
     them faster, else dequantized into BF16A panels. The same bits, so the same greedy tokens either way."""
-    out = _q4a_and_bf16a_tokens(None, prompt_ids)
+    out = _widened_and_bf16a_tokens(None, prompt_ids)
     assert out[True][0] == 4 * 30 and out[False][0] == 0
     assert out[True][1] == out[False][1]
 
 
 @pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
-def test_a_q4_k_m_file_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(small_q4_k_m):
-    """A Q4_K's scales formed per 32 inputs make Q4_1's blocks, so its projections are Q4A panels too; Q6_K's, and
-    q/k/v where v is Q6_K (two types), stay dense. Layers 0, 3, 6 and 7 of the 8 have Q6_K attn_v and ffn_down."""
-    out = _q4a_and_bf16a_tokens(str(small_q4_k_m), ["Hello there", "Once upon a time, in a land"], max_model_len=256)
-    assert out[True][0] == 4 * 4 + 2 * 4 and out[False][0] == 0
+def test_a_q4_k_m_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(small_q4_k_m):
+    """A Q4_K's scales formed per 32 inputs make Q4_1's blocks (Q4A panels), a Q6_K's per 16 Q6A's; q/k/v where v is
+    Q6_K (in layers 0, 3, 6 and 7 of the 8) are a panel of each, and the LM head of its own is Q6A: every weight
+    of the file's projections is widened, none dense."""
+    out = _widened_and_bf16a_tokens(str(small_q4_k_m), ["Hello there", "Once upon a time, in a land"],
+                                    max_model_len=256)
+    assert out[True][0] == 4 * 8 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]

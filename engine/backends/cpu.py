@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
+from engine.backends import widened
 from engine.backends.base import TorchBackend
 from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, c_panels_plan, measure_plan, seconds_per_call
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
@@ -55,8 +56,6 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 # (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
 # faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
-Q4A_TIMING_BYTES = 1 << 30  # bfloat16 weights over which Q4A is timed against BF16A (_q4a_if_faster)
-Q4A_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a GGUF file's types whose blocks Q4A panels hold (q4: d q + m per 32 inputs)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ class CpuBackend(TorchBackend):
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
         self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
-        self.q4a_panels = 0  # projections whose Q4 blocks AMX widens as it multiplies (timed against BF16A)
+        self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -151,13 +150,13 @@ class CpuBackend(TorchBackend):
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
         first = model.layers[0]
         quantized = first.mlp.gate_up_proj.quantized is not None
-        # a GGUF file's Q4_0/Q4_1/Q4_K projections, kept as blocks for AMX to widen (Q4A) if it times faster there
-        q4 = _q4_blocks(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
+        # a GGUF file's Q4 and Q6_K projections, kept as blocks for AMX to widen if it times faster there
+        blocks = widened.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
             dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        dense = {m: _as_q4(q4[m]).dequantize(self.dtype) if m in q4 else m.weight.detach() for m in projections}
+        dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.weight.detach() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
             weight = dense[first.mlp.gate_up_proj]
@@ -173,22 +172,15 @@ class CpuBackend(TorchBackend):
                                      self.config.gemm_kernels)
         del dense
         library = self.plan.uses_library
-        q4a = {}
-        if q4 and not library and self.bf16_dot == "amx":
-            q4a, seconds = _timed_q4a_panels(model, q4, self.dtype)
-            q4a = q4a if _q4a_faster(seconds) else {}
-        for module, source in q4.items():  # a module at a time: its decoded blocks are freed before the next's
-            if q4a and module not in q4a:
-                blocks = _as_q4(source)
-                q4a[module] = cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m)
-            elif not q4a:  # dense after all, as the other projections
-                module.weight = torch.nn.Parameter(_as_q4(source).dequantize(self.dtype), requires_grad=False)
-            if isinstance(source, FileBlocks):
-                source.release()  # packed: the mapping's pages go back, as after packing (_pack_quantized)
-        self.q4a_panels = len(q4a)
+        kernels = self._widened_kernels(model, blocks) if not library and self.bf16_dot == "amx" else {}
+        for module, source in blocks.items():
+            if module not in kernels:  # dense after all, as the other projections
+                module.weight = torch.nn.Parameter(source.dequantize(self.dtype), requires_grad=False)
+                widened.release(source)
+        self.widened_panels = len(kernels)
         for module in model.modules():
-            if isinstance(module, Linear) and module in q4a:
-                module.kernel = PackedLinear(q4a[module], module.out_features)
+            if isinstance(module, Linear) and module in kernels:
+                module.kernel = kernels[module]
             elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
                 module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations)
             elif isinstance(module, Linear) and module is not model.lm_head:
@@ -208,11 +200,13 @@ class CpuBackend(TorchBackend):
             model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
             model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
             return
+        head = None  # an LM head of its own widened from its GGUF blocks keeps that kernel
         if model.lm_head.quantized is not None:
             head = _pack_quantized(model.lm_head.take_quantized())
-        else:
+        elif model.lm_head not in kernels:
             head = (pack if bf16 else pack_head)(model.lm_head.release_weight())
-        model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
+        if head is not None:
+            model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed = model.embed_tokens
@@ -227,11 +221,29 @@ class CpuBackend(TorchBackend):
             embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
-        if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
+        if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
         self.decoder = _decoder(model, self.int8_activations) if self.config.tensor_parallel_size == 1 else None
+
+    def _widened_kernels(self, model: LlamaForCausalLM,
+                         blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
+        """The products of ``blocks`` from their Q4A/Q6A panels where start-up times those faster than BF16A panels
+        (``widened.py``), packed a weight at a time with its file pages handed back after; else none."""
+        made, seconds = widened.timed(model, blocks, self.dtype, BF16_DOT_ROWS)
+        if not widened.faster(seconds):
+            return {}
+        kernels = {}
+        for module, source in blocks.items():
+            packed = made.pop(module) if module in made else widened.panels(source)
+            widened.release(source)
+            if isinstance(packed, tuple):
+                n = source.head.shape[0]
+                kernels[module] = SplitLinear(PackedLinear(packed[0], n), PackedLinear(packed[1], source.shape[0] - n))
+            else:
+                kernels[module] = PackedLinear(packed, module.out_features)
+        return kernels
 
     def _int8_activations(self) -> bool:
         """Whether a GGUF file's products take int8 activations: asked for, and this CPU has the dot products."""
@@ -269,74 +281,8 @@ class CpuBackend(TorchBackend):
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
-        q4a = f", {self.q4a_panels} projections from Q4A panels" if self.q4a_panels else ""
-        return f"cpu backend (C kernels, {products} products{int8}{q4a})"
-
-
-def _q4_blocks(model: LlamaForCausalLM) -> dict[Linear, FileBlocks | QuantizedWeight]:
-    """The projections held as Q4 blocks (a GGUF file's Q4_0, Q4_1 and Q4_K: a Q4_K's scales formed per 32 inputs
-    are Q4_1's), taken out of their layers as they are: what AMX can multiply as Q4A panels. Not the LM head, whose
-    panels the lookups may read; not a fused projection of two types (``SplitBlocks``)."""
-    out = {}
-    for module in model.modules():
-        if (isinstance(module, Linear) and module is not model.lm_head
-                and module.in_features % 32 == 0 and _q4_like(module.quantized)):
-            out[module] = module.take_quantized()
-    return out
-
-
-def _q4_like(blocks: Blocks | None) -> bool:
-    if isinstance(blocks, QuantizedWeight):
-        return blocks.kind in ("q4", "q4k")
-    return isinstance(blocks, FileBlocks) and blocks.ggml_type in Q4A_TYPES
-
-
-def _as_q4(blocks: FileBlocks | QuantizedWeight) -> QuantizedWeight:
-    """A weight of ``Q4A_TYPES`` decoded as q4 blocks (d q + m per 32 inputs)."""
-    return blocks.decoded().widen("q4")
-
-
-def _timed_q4a_panels(model: LlamaForCausalLM, q4: dict[Linear, FileBlocks | QuantizedWeight],
-                      dtype: torch.dtype) -> tuple[dict[Linear, torch.Tensor], dict[str, float]]:
-    """The Q4A panels of the first layers' Q4 projections, and the seconds AMX takes to multiply those from them
-    (blocks widened as it goes, 0.75 bytes a weight) and from BF16A panels (2 bytes): the same bits either way, so
-    the faster is kept (``_q4a_faster``). Timed at the bodies' rows over every Q4 projection of as many layers as
-    Q4A_TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the saving is in bytes read, which a small
-    working set does not show: on a Xeon whose 2 cores share a large L3, ten layers of SmolLM2 timed alike (0.99x)
-    and all thirty 0.78x (docs/benchmarks.md)."""
-    panels: dict[Linear, torch.Tensor] = {}
-    packs: dict[str, list[tuple[PackedLinear, int]]] = {"Q4A": [], "BF16A": []}
-    size = 0
-    for layer in model.layers:
-        modules = [m for m in layer.modules() if m in q4]
-        if not modules or size >= Q4A_TIMING_BYTES:
-            break
-        for module in modules:
-            blocks = _as_q4(q4[module])
-            panels[module] = cpu_kernels.pack_weight_q4a(blocks.values(), blocks.d, blocks.m)
-            dense = blocks.dequantize(dtype)
-            size += dense.numel() * dense.element_size()
-            n, k = dense.shape
-            packs["Q4A"].append((PackedLinear(panels[module], n), k))
-            packs["BF16A"].append((PackedLinear(cpu_kernels.pack_weight_bf16a(dense), n), k))
-    if not panels:
-        return {}, {}
-    inputs = [{k: torch.randn(rows, k) for _, k in packs["Q4A"]} for rows in BF16_DOT_ROWS]
-    seconds = {name: sum(seconds_per_call(partial(_each, kernels, x)) for x in inputs)
-               for name, kernels in packs.items()}
-    logger.info("Q4 projections on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(packs["Q4A"]),
-                size / 2**20, " + ".join(map(str, BF16_DOT_ROWS)),
-                ", ".join(f"{name} {s * 1000:.2f}" for name, s in seconds.items()))
-    return panels, seconds
-
-
-def _q4a_faster(seconds: dict[str, float]) -> bool:
-    return bool(seconds) and seconds["Q4A"] < seconds["BF16A"]
-
-
-def _each(kernels: list[tuple[PackedLinear, int]], inputs: dict[int, torch.Tensor]) -> None:
-    for kernel, k in kernels:
-        kernel(inputs[k], None)
+        blocks = f", {self.widened_panels} weights from Q4A/Q6A panels" if self.widened_panels else ""
+        return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
 
 def _seconds(kernel: PackedLinear | SplitLinear, in_features: int, rows: tuple[int, ...]) -> float:

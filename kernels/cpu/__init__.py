@@ -165,9 +165,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # are viewed as float16: dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
-                  torch.float8_e4m3fn: 13}
+                  torch.float8_e4m3fn: 13, torch.float8_e5m2: 14}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
-                torch.float8_e4m3fn: "Q4A",
+                torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A",
                 **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
@@ -287,6 +287,8 @@ def pack_weight_bf16a(weight: torch.Tensor) -> torch.Tensor:
 
 
 Q4A_TILE_BYTES = 2 * 16 * 4 + 16 * 16  # amx.c: a tile's d and m (fp32) for its 16 columns, then 16 rows of nibbles
+Q6A_TILE_BYTES = Q4A_TILE_BYTES + 8 * 16  # its two d (k 0-15, 16-31), the low nibbles, then 8 x 16 bytes of high bits
+WIDENED_TILE_BYTES = {torch.float8_e4m3fn: Q4A_TILE_BYTES, torch.float8_e5m2: Q6A_TILE_BYTES}  # of Q4A, Q6A panels
 
 
 def pack_weight_q4a(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -297,20 +299,56 @@ def pack_weight_q4a(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
     of inputs (k, k + 1) 16 bytes whose low nibbles are columns 0-7's and high nibbles columns 8-15's, each
     column's k then k + 1 (float8 [ceil(N / 32), K / 32, 2 Q4A_TILE_BYTES], a dtype that only names the format).
     Only where ``"amx" in bf16_dots()``."""
+    panels, nibbles, _ = _widened_values(q)
+    scales = [_tile_scales(t, panels, 1) for t in (d, m)]
+    packed = torch.cat([*scales, _low_nibbles(nibbles)], dim=-1).reshape(panels, q.shape[1], 2 * Q4A_TILE_BYTES)
+    return packed.view(torch.float8_e4m3fn)
+
+
+def pack_weight_q6a(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q6 blocks (the q6 kind: values ``q`` int8 [N, K/32, 32] in -32..31, ``d`` fp32 [N, K/16], a Q6_K's scales
+    formed per 16 inputs) as Q6A panels for AMX, widened as Q4A panels are: the bits of the BF16A panels of d q, in 1
+    byte a weight. Per 32 columns and 32 inputs, two tiles of Q6A_TILE_BYTES: 16 columns' d for inputs 0-15, for
+    16-31, then q + 32's low four bits as Q4A's nibbles, then its high two bits, per two pairs of inputs 16 bytes
+    (bits 0-1 and 2-3 beside the first pair's low and high nibble of that byte, 4-5 and 6-7 the second pair's)
+    (float8_e5m2 [ceil(N / 32), K / 32, 2 Q6A_TILE_BYTES]). Only where ``"amx" in bf16_dots()``."""
+    panels, values, blocks_k = _widened_values((q.to(torch.int16) + 32).to(torch.uint8))
+    high = (values >> 4).view(panels, blocks_k, 2, 8, 2, 2, 16)  # [.., pair of pairs, pair, half, 16]
+    high = (high[:, :, :, :, 0, 0] | high[:, :, :, :, 0, 1] << 2 | high[:, :, :, :, 1, 0] << 4
+            | high[:, :, :, :, 1, 1] << 6).reshape(panels, blocks_k, 2, 128)
+    packed = torch.cat([_tile_scales(d, panels, 2), _low_nibbles(values & 15), high], dim=-1)
+    return packed.reshape(panels, blocks_k, 2 * Q6A_TILE_BYTES).view(torch.float8_e5m2)
+
+
+def _widened_values(q: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """Values [N, K/32, 32] (uint8) in a widened panel's order, zero columns past N:
+    [panel, block, tile, pair of k, half (columns 0-7, 8-15), column and k of the pair (16)]."""
     if "amx" not in bf16_dots():
-        raise ValueError("Q4A panels need AMX tiles, which this CPU or build lacks")
+        raise ValueError("Q4A and Q6A panels need AMX tiles, which this CPU or build lacks")
     n, blocks_k, _ = q.shape
     panels, pad = cdiv(n, BF16A_WIDTH), cdiv(n, BF16A_WIDTH) * BF16A_WIDTH - n
-    if pad:  # columns past N: weights of 0
-        q, d, m = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, *q.shape[1:])])
     # [panel, tile, half, column, block, pair, k of the pair] -> [panel, block, tile, pair, half, column, k]
-    nibbles = q.view(panels, 2, 2, 8, blocks_k, 16, 2).permute(0, 4, 1, 5, 2, 3, 6).reshape(
+    values = q.view(panels, 2, 2, 8, blocks_k, 16, 2).permute(0, 4, 1, 5, 2, 3, 6).reshape(
         panels, blocks_k, 2, 16, 2, 16)
-    nibbles = (nibbles[..., 0, :] | nibbles[..., 1, :] << 4).reshape(panels, blocks_k, 2, 256)
-    scales = [t.float().view(panels, 2, 16, blocks_k).permute(0, 3, 1, 2).contiguous().view(torch.uint8)
-              for t in (d, m)]
-    packed = torch.cat([*scales, nibbles], dim=-1).reshape(panels, blocks_k, 2 * Q4A_TILE_BYTES)
-    return packed.view(torch.float8_e4m3fn)
+    return panels, values, blocks_k
+
+
+def _low_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """A tile's 16 rows of 16 bytes: each byte the low nibble of half 0's value and the high nibble of half 1's."""
+    panels, blocks_k = values.shape[:2]
+    return (values[..., 0, :] | values[..., 1, :] << 4).reshape(panels, blocks_k, 2, 256)
+
+
+def _tile_scales(t: torch.Tensor, panels: int, per_block: int) -> torch.Tensor:
+    """Scales [N, K/32 per_block] (fp32) as each tile's bytes: per block, tile, and scale of the block, 16 columns."""
+    n = t.shape[0]
+    pad = panels * BF16A_WIDTH - n
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    blocks_k = t.shape[1] // per_block
+    return (t.float().view(panels, 2, 16, blocks_k, per_block).permute(0, 3, 1, 4, 2).contiguous()
+            .view(torch.uint8).reshape(panels, blocks_k, 2, per_block * 64))
 
 
 def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -364,9 +402,11 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
             raise ValueError(f"{blocks.K_QUANT_NAMES[packed.dtype]} panels hold {expected} bytes per 256 inputs, "
                              f"got {tuple(packed.shape)} {packed.dtype}")
         return packed.shape[1] * blocks.SUPER, packed.shape[0] * width
-    if packed.dtype == torch.float8_e4m3fn:
-        if packed.shape[2] != 2 * Q4A_TILE_BYTES:
-            raise ValueError(f"Q4A panels hold {2 * Q4A_TILE_BYTES} bytes per 32 inputs, got {tuple(packed.shape)}")
+    if packed.dtype in WIDENED_TILE_BYTES:
+        expected = 2 * WIDENED_TILE_BYTES[packed.dtype]
+        if packed.shape[2] != expected:
+            raise ValueError(f"{FORMAT_NAMES[packed.dtype]} panels hold {expected} bytes per 32 inputs, got "
+                             f"{tuple(packed.shape)}")
         return packed.shape[1] * blocks.GROUP, packed.shape[0] * BF16A_WIDTH
     if packed.dtype == torch.uint8 or packed.dtype in blocks.BYTE_BLOCK_SCALES:
         expected = (blocks.q4_block_bytes(width) if packed.dtype == torch.uint8
@@ -430,8 +470,8 @@ def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.
     in_features, columns = packed_geometry(packed)
     if columns < num_rows:
         raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
-    if packed.dtype == torch.float8_e4m3fn:
-        raise ValueError("Q4A panels are read by AMX products only, not by lookups")
+    if packed.dtype in WIDENED_TILE_BYTES:
+        raise ValueError(f"{FORMAT_NAMES[packed.dtype]} panels are read by AMX products only, not by lookups")
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
     bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,

@@ -8,10 +8,11 @@
  * 16 rows of k pairs, a panel's width of words apart. The engine packs BF16A panels, 32 columns, two whole tiles;
  * BF16C's 24 columns also run here, their second tile op half empty.
  *
- * Q4A panels (a GGUF file's Q4_0/Q4_1 projections in a bfloat16 process) hold the blocks instead, 0.75 bytes a
- * weight: the vector units widen each k step's two tiles to bfloat16 just before the tile ops read them, the bits
- * of the dequantized weight's BF16A panels. Where a batch's products stream their weights from DRAM (a few to
- * a hundred rows), fewer bytes read is the saving; the backend times Q4A against BF16A at start-up.
+ * Q4A and Q6A panels (a GGUF file's Q4_0/Q4_1/Q4_K and Q6_K projections in a bfloat16 process) hold the blocks
+ * instead, 0.75 and 1 byte a weight: the vector units widen each k step's two tiles to bfloat16 just before the tile
+ * ops read them, the bits of the dequantized weight's BF16A panels. Where a batch's products stream their weights
+ * from DRAM (a few to a hundred rows), fewer bytes read is the saving; the backend times them against BF16A at
+ * start-up.
  *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
  * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
@@ -95,6 +96,10 @@ static inline struct tiles tiles_of(int nr) { /* BF16C and BF16A: a tile's row i
 static const struct tiles WIDENED = {2 * 1024, 1024, 64}; /* a Q4A panel widened: each tile one run of 1 KiB */
 
 #define Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16) /* d and m of 16 columns (fp32), then 16 rows of 16 bytes of nibbles */
+#define Q6A_TILE_BYTES (Q4A_TILE_BYTES + 8 * 16) /* d of k 0-15 and of k 16-31, the low nibbles, then the high bits */
+
+/* Where a widened panel's tiles lie, and what widens them. */
+static inline int64_t widened_tile_bytes(int format) { return format == HP_Q6A ? Q6A_TILE_BYTES : Q4A_TILE_BYTES; }
 
 /* Tiles t0 .. t1 of a Q4A panel (two per 32 k) widened to bfloat16 in WIDENED's layout at out: each row's 32
  * nibbles (16 columns x a pair of k) as d q + m in fp32 (d q exact, so one rounding: the dequantized weight's
@@ -118,11 +123,46 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
     }
 }
 
-/* What a panel's tile loop also does: widen a Q4A panel (src, NULL for none) into dst, each k step's two tiles just
- * before the tile loads that read them. */
+/* Tiles t0 .. t1 of a Q6A panel (two per 32 k) widened to bfloat16 as widen_q4a does: each value q (0..63, the
+ * file's q + 32) as d q - 32 d in fp32 (both products exact, and so their sum: a d of at most 18 significant bits),
+ * d that of its 16 k. A tile holds its 16 columns' d for k 0-15 and 16-31 (fp32), the values' low four bits as Q4A's
+ * nibbles, then per two rows (pairs of k) 16 bytes: bits 0-1 and 2-3 the high bits of the low and high nibble of
+ * the first row's byte, bits 4-5 and 6-7 of the second's. */
+static inline __attribute__((always_inline)) void widen_q6a(const char *panel, int t0, int t1, uint16_t *out) {
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
+    const __m512i two = _mm512_set1_epi32(3);
+    for (int t = t0; t < t1; t++) {
+        const char *b = panel + (int64_t)t * Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
+        uint16_t *o = out + (int64_t)t * 512;
+        for (int half = 0; half < 2; half++) {
+            const __m512 d = _mm512_loadu_ps(b + 64 * half);
+            const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+            const __m512 mlo = _mm512_mul_ps(dlo, _mm512_set1_ps(-32.0f)), mhi = _mm512_mul_ps(dhi, _mm512_set1_ps(-32.0f));
+            for (int r = 8 * half; r < 8 * half + 8; r += 2) {
+                const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(high + 8 * r)));
+                for (int j = 0; j < 2; j++) {
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + 16 * (r + j))));
+                    const __m512i hj = _mm512_srli_epi32(h, 4 * j);
+                    const __m512i qlo = _mm512_or_si512(_mm512_and_si512(v, low),
+                                                        _mm512_slli_epi32(_mm512_and_si512(hj, two), 4));
+                    const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(v, 4),
+                                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hj, 2), two), 4));
+                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qlo), dlo, mlo);
+                    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qhi), dhi, mhi);
+                    _mm512_store_si512(o + 32 * (r + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+        }
+    }
+}
+
+/* What a panel's tile loop also does: widen a Q4A or Q6A panel (src, NULL for none) into dst, each k step's two
+ * tiles just before the tile loads that read them. */
 struct widening {
     const char *src;
     uint16_t *dst;
+    int format; /* HP_Q4A or HP_Q6A */
 };
 
 /* The tiles' sums of one row group (or two, ``two``), stored at out (row stride ldo floats). */
@@ -138,7 +178,10 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
     const int lda = K * 2;
     const uint16_t *a1 = a0 + 16 * (int64_t)K;
     for (int k = 0; k < K; k += TILE_K) {
-        if (widen.src) widen_q4a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+        if (widen.src && widen.format == HP_Q6A)
+            widen_q6a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+        else if (widen.src)
+            widen_q4a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         const char *b = panel + (int64_t)(k / TILE_K) * w.step;
         _tile_loadd(6, b, w.stride);
         _tile_loadd(7, b + w.second, w.stride);
@@ -187,11 +230,11 @@ static void panel_product(int p, const uint16_t *a, const char *panel, struct ti
     }
 }
 
-/* Panel p of Q4A weights: widened into this thread's buffer a k step at a time just ahead of the first row pair's
- * tile loads, then read as it is by the other pairs. NOTE: widening the next panel under this one's tile ops (two
- * buffers taking turns) measured no faster at 1-256 rows (docs/benchmarks.md). */
-static void q4a_panel_product(int p, const uint16_t *a, const void *packed, const float *bias, float *y, int64_t ldy,
-                              int M, int N, int K, int groups) {
+/* Panel p of Q4A or Q6A weights (``format``): widened into this thread's buffer a k step at a time just ahead of
+ * the first row pair's tile loads, then read as it is by the other pairs. NOTE: widening the next panel under this
+ * one's tile ops (two buffers taking turns) measured no faster at 1-256 rows (docs/benchmarks.md). */
+static void widened_panel_product(int p, int format, const uint16_t *a, const void *packed, const float *bias,
+                                  float *y, int64_t ldy, int M, int N, int K, int groups) {
     static __thread uint16_t *widened = 0;
     static __thread int64_t widened_k = 0;
     if (K > widened_k) {
@@ -199,13 +242,15 @@ static void q4a_panel_product(int p, const uint16_t *a, const void *packed, cons
         widened = (uint16_t *)aligned_alloc(64, (size_t)K * 32 * 2);
         widened_k = K;
     }
-    const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * Q4A_TILE_BYTES, widened};
+    const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * widened_tile_bytes(format),
+                                  widened, format};
     panel_product(p, a, (const char *)widened, WIDENED, here, HP_BF16A_WIDTH, bias, y, ldy, M, N, K, groups);
 }
 
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int q4a, const float *bias,
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8 || (q4a && nr != HP_BF16A_WIDTH))
+    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8 ||
+        (widened && (nr != HP_BF16A_WIDTH || (widened != HP_Q4A && widened != HP_Q6A))))
         return -1;
     if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
     static __thread uint16_t *buffer = 0;
@@ -221,7 +266,7 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     const int panels = (N + nr - 1) / nr, threads = omp_get_max_threads();
     /* one or a few rows stream the weights: long runs of consecutive panels per thread, for the prefetcher */
     const int chunk = M <= 4 ? (panels + 2 * threads - 1) / (2 * threads) : (panels + 16 * threads - 1) / (16 * threads);
-    const struct widening none = {NULL, NULL};
+    const struct widening none = {NULL, NULL, 0};
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -229,8 +274,8 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
         load_config(rows, nr);
 #pragma omp for schedule(dynamic, chunk)
         for (int p = 0; p < panels; p++)
-            if (q4a)
-                q4a_panel_product(p, a, packed, bias, y, ldy, M, N, K, groups);
+            if (widened)
+                widened_panel_product(p, widened, a, packed, bias, y, ldy, M, N, K, groups);
             else
                 panel_product(p, a, (const char *)packed + (int64_t)p * K * nr * 2, tiles_of(nr), none, nr, bias, y,
                               ldy, M, N, K, groups);
@@ -241,9 +286,9 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 
 #else
 int hp_amx_bf16_available(void) { return 0; }
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int q4a, const float *bias,
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K) {
-    (void)x, (void)ldx, (void)packed, (void)nr, (void)q4a, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    (void)x, (void)ldx, (void)packed, (void)nr, (void)widened, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
     return -1;
 }
 #endif

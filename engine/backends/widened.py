@@ -1,0 +1,118 @@
+"""A GGUF file's blocks kept as blocks in a bfloat16 process on AMX: Q4A and Q6A panels (``kernels/cpu/amx.c``),
+which the tile products widen to bfloat16 a k step at a time as they multiply.
+
+Why: made dense for the tiles (BF16A panels), a Q4_K_M file's weights take 2 bytes each where the file holds ~0.6,
+and a step reads every one of them. Widened as they are multiplied, the values and so the bits of the products are
+those of the BF16A panels of the dequantized weight, in 0.75 bytes a weight (Q4_0, Q4_1, Q4_K: d q + m per 32
+inputs) or 1 byte (Q6_K: d q per 16). The widening costs vector work, so start-up times these panels against BF16A
+on the first layers and keeps the faster (``timed``, ``faster``).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.backends.gemm_plan import seconds_per_call
+from engine.models.linear import Linear
+from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
+from kernels import cpu as cpu_kernels
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.quantized import Blocks
+
+logger = logging.getLogger(__name__)
+
+TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q6"}  # GGUF type -> the kind of blocks its panels hold
+KINDS = {"q4": "q4", "q4k": "q4", "q6": "q6", "q6k": "q6"}  # the same for decoded blocks (a K-quant's scales formed)
+TIMING_BYTES = 1 << 30  # bfloat16 weights over which the widened panels are timed against BF16A
+
+Panels = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a weight's panels, or a SplitBlocks' head's and tail's
+
+
+def kind_of(blocks: Blocks | None) -> str | None:
+    """The kind of blocks ("q4" or "q6") widened panels hold ``blocks`` as, or None where they cannot. A fused
+    projection of two types is two panels, each of which must be widenable."""
+    if isinstance(blocks, SplitBlocks):
+        head, tail = kind_of(blocks.head), kind_of(blocks.tail)
+        return head and tail and "split"
+    if isinstance(blocks, QuantizedWeight):
+        kind = KINDS.get(blocks.kind)
+    else:
+        kind = TYPES.get(blocks.ggml_type) if isinstance(blocks, FileBlocks) else None
+    return kind if kind and blocks.shape[1] % 32 == 0 else None
+
+
+def take(model: LlamaForCausalLM) -> dict[Linear, Blocks]:
+    """The projections (and an LM head of its own) whose blocks widened panels can hold, taken out of their layers as
+    they are. Not a tied LM head: the lookups read its panels."""
+    tied = model.lm_head if model.tie_word_embeddings else None
+    return {m: m.take_quantized() for m in model.modules()
+            if isinstance(m, Linear) and m is not tied and kind_of(m.quantized)}
+
+
+def panels(blocks: Blocks) -> Panels:
+    """``blocks`` decoded and packed as Q4A or Q6A panels (each part of a fused projection of two types)."""
+    if isinstance(blocks, SplitBlocks):
+        return panels(blocks.head), panels(blocks.tail)
+    kind = kind_of(blocks)
+    decoded = blocks.decoded().widen(kind)
+    if kind == "q4":
+        return cpu_kernels.pack_weight_q4a(decoded.values(), decoded.d, decoded.m)
+    return cpu_kernels.pack_weight_q6a(decoded.q, decoded.d)
+
+
+def release(blocks: Blocks) -> None:
+    """Hand back the file's pages of ``blocks`` once they are packed (``FileBlocks.release``)."""
+    for part in (blocks.head, blocks.tail) if isinstance(blocks, SplitBlocks) else (blocks,):
+        if isinstance(part, FileBlocks):
+            part.release()
+
+
+def multiply(packed: Panels, x: torch.Tensor) -> None:
+    for part in packed if isinstance(packed, tuple) else (packed,):
+        cpu_kernels.linear(x, part, cpu_kernels.packed_geometry(part)[1])
+
+
+def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], dtype: torch.dtype,
+          rows: tuple[int, ...]) -> tuple[dict[Linear, Panels], dict[str, float]]:
+    """The widened panels of the first layers' projections in ``taken``, and the seconds AMX takes to multiply
+    those from them and from BF16A panels at each of ``rows``, summed. Over every such projection of as many layers
+    as TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the saving is in bytes read, which a small working
+    set does not show: on a Xeon whose 2 cores share a large L3, ten layers of SmolLM2 timed alike (0.99x) and all
+    thirty 0.78x (docs/benchmarks.md)."""
+    made: dict[Linear, Panels] = {}
+    weights: dict[str, list[Panels]] = {"widened": [], "BF16A": []}
+    size = 0
+    for layer in model.layers:
+        modules = [m for m in layer.modules() if m in taken]
+        if not modules or size >= TIMING_BYTES:
+            break
+        for module in modules:
+            made[module] = panels(taken[module])
+            dense = taken[module].dequantize(dtype)
+            size += dense.numel() * dense.element_size()
+            weights["widened"].append(made[module])
+            weights["BF16A"].append(cpu_kernels.pack_weight_bf16a(dense))
+    if not made:
+        return {}, {}
+    inputs = [{k: torch.randn(m, k) for k in {module.in_features for module in made}} for m in rows]
+    seconds = {name: sum(seconds_per_call(partial(_each, packs, x)) for x in inputs) for name, packs in weights.items()}
+    logger.info("GGUF blocks widened on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(made),
+                size / 2**20, " + ".join(map(str, rows)), ", ".join(f"{n} {s * 1000:.2f}" for n, s in seconds.items()))
+    return made, seconds
+
+
+def faster(seconds: dict[str, float]) -> bool:
+    """Whether the timing (``timed``) found the widened panels faster."""
+    return bool(seconds) and seconds["widened"] < seconds["BF16A"]
+
+
+def _each(packs: list[Panels], inputs: dict[int, torch.Tensor]) -> None:
+    for packed in packs:
+        part = packed[0] if isinstance(packed, tuple) else packed
+        multiply(packed, inputs[cpu_kernels.packed_geometry(part)[0]])
