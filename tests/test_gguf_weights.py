@@ -225,6 +225,19 @@ def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gg
     assert torch.equal(blocks.rows(order).decoded().dequantize(), decode(gguf_tensors[kind.name]).dequantize()[order])
 
 
+@pytest.mark.skipif("amx" not in (cpu.bf16_dots() if cpu.available() else []), reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)
+def test_widened_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gguf_tensors, kind):
+    """Q4A and Q6A panels (bfloat16 on AMX) are written from the mapped blocks too, as the decoded blocks pack."""
+    from engine.backends import widened
+
+    blocks = file_blocks(gguf_tensors[kind.name])
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    for weight in (blocks, blocks.rows(order), blocks.rows(slice(0, 7))):
+        reference, ours = widened.panels(weight.decoded()), widened.panels(weight)
+        assert ours.dtype == reference.dtype and torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
+
+
 def test_shards_stay_in_the_file_in_at_most_two_runs_of_one_type(gguf_tensors):
     """q/k/v of one type stack as addresses; Q4_K q and k before a Q6_K v split into two panels (``SplitBlocks``);
     anything else (three runs) is decoded and widened to one kind (Q6M)."""

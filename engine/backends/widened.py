@@ -59,6 +59,8 @@ def panels(blocks: Blocks) -> Panels:
     """``blocks`` decoded and packed as Q4A or Q6A panels (each part of a fused projection of two types)."""
     if isinstance(blocks, SplitBlocks):
         return panels(blocks.head), panels(blocks.tail)
+    if isinstance(blocks, FileBlocks):  # straight from the file's bytes (gguf_pack.c), the same panels
+        return cpu_kernels.pack_gguf_widened(blocks.type_id, blocks.addresses(), blocks.in_features)
     kind = kind_of(blocks)
     decoded = blocks.decoded().widen(kind)
     if kind == "q4":

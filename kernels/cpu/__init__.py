@@ -90,6 +90,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
+    "hp_pack_gguf_widened": [_c_int, _ptr, _c_int, _c_int, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_bf16_dots": [],
     "hp_set_bf16_dot": [_c_int],
@@ -97,7 +98,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
 _RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
-            "hp_pack_gguf": _c_i64}
+            "hp_pack_gguf": _c_i64, "hp_pack_gguf_widened": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -240,6 +241,28 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
     written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
     if written != out.numel() * dtype.itemsize:
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel() * dtype.itemsize}")
+    return out
+
+
+# ggml types whose blocks widened panels hold (gguf_pack.c): Q4_0, Q4_1 and Q4_K as Q4A, Q6_K as Q6A
+GGUF_WIDENED_DTYPES = {2: torch.float8_e4m3fn, 3: torch.float8_e4m3fn, 12: torch.float8_e4m3fn, 14: torch.float8_e5m2}
+
+
+def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q4A or Q6A panels of a GGUF file's blocks read where they lie (``gguf_pack.c``), as ``pack_gguf_rows`` packs
+    the other panels: the same panels as ``pack_weight_q4a`` / ``pack_weight_q6a`` of the decoded blocks. Only where
+    ``"amx" in bf16_dots()``."""
+    dtype = GGUF_WIDENED_DTYPES.get(ggml_type)
+    if dtype is None:
+        raise ValueError(f"ggml type {ggml_type} has no widened panel format")
+    if "amx" not in bf16_dots():
+        raise ValueError("Q4A and Q6A panels need AMX tiles, which this CPU or build lacks")
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP, 2 * WIDENED_TILE_BYTES[dtype],
+                      dtype=dtype)
+    written = _library().hp_pack_gguf_widened(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
+    if written != out.numel():
+        raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")
     return out
 
 

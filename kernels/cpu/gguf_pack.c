@@ -215,3 +215,70 @@ int64_t hp_pack_gguf(int type, const int64_t *rows, int N, int K, int nr, void *
         }
     return total;
 }
+
+/* ---- Q4A and Q6A panels (amx.c) ------------------------------------------------------------------------------
+ * The values of one column's 32 inputs at block kb (of K / 32) and their scales, from the file's blocks: d and m
+ * (Q4_0, Q4_1, Q4_K: d q + m, q in 0..15, a K-quant's scales formed as gguf-py forms them, exact products), or d of
+ * inputs 0-15 and of 16-31 (Q6_K: q + 32 in 0..63, valued d q - 32 d). */
+static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP], float *s0, float *s1) {
+    if (type == T_Q4_0 || type == T_Q4_1) {
+        const uint8_t *b = row + (int64_t)kb * block_bytes_of(type);
+        *s0 = half_at(b), *s1 = type == T_Q4_0 ? -8 * *s0 : half_at(b + 2);
+        split_nibbles(b + (type == T_Q4_0 ? 2 : 4), v);
+        return;
+    }
+    const uint8_t *s = row + (int64_t)(kb / 8) * block_bytes_of(type);
+    const int g = kb % 8;
+    if (type == T_Q4_K) { /* group 2 j + h: nibble h of qs's run j */
+        uint8_t sc, mn;
+        k4_scale_min(s + 4, g, &sc, &mn);
+        *s0 = half_at(s) * (float)sc, *s1 = -(half_at(s + 2) * (float)mn);
+        for (int i = 0; i < GROUP; i++) v[i] = (s[16 + 32 * (g / 2) + i] >> (4 * (g % 2))) & 15;
+        return;
+    }
+    /* Q6_K: group 4 n + t from ql's run n (nibble t / 2 of ql[32 (t % 2) + i]) and qh's bits 2 t; int8 scales
+     * 2 g and 2 g + 1 for its two halves */
+    const int n = g / 4, t = g % 4;
+    const uint8_t *ql = s + 64 * n + 32 * (t % 2), *qh = s + 128 + 32 * n;
+    const float d = half_at(s + 208);
+    *s0 = d * (float)(int8_t)s[192 + 2 * g], *s1 = d * (float)(int8_t)s[192 + 2 * g + 1];
+    for (int i = 0; i < GROUP; i++) v[i] = ((ql[i] >> (4 * (t / 2))) & 15) | ((qh[i] >> (2 * t)) & 3) << 4;
+}
+
+/* One column (cc of the tile's 16) of a zeroed Q4A or Q6A tile: its two scale floats, each input k's low four bits
+ * in nibble cc / 8 of byte 2 (cc % 8) + k % 2 of row k / 2, and (Q6A) its high two in that byte of the high bits'
+ * row k / 4, at bits 4 (k / 2 % 2) + 2 (cc / 8). */
+static void put_widened(uint8_t *tile, int cc, const uint8_t v[GROUP], float s0, float s1, int q6) {
+    put_float(tile, cc, s0), put_float(tile + 64, cc, s1);
+    uint8_t *nibbles = tile + 128, *high = nibbles + 256;
+    const int half = cc / 8, j0 = 2 * (cc % 8);
+    for (int k = 0; k < GROUP; k++) {
+        nibbles[16 * (k / 2) + j0 + k % 2] |= (uint8_t)((v[k] & 15) << (4 * half));
+        if (q6) high[16 * (k / 4) + j0 + k % 2] |= (uint8_t)(((v[k] >> 4) & 3) << (4 * (k / 2 % 2) + 2 * half));
+    }
+}
+
+/* Q4A panels (Q4_0, Q4_1, Q4_K) or Q6A panels (Q6_K) [ceil(N / 32), K / 32, 2 tiles] of the weight whose row r's
+ * blocks start at rows[r], as kernels/cpu/__init__.py's pack_weight_q4a and pack_weight_q6a pack its decoded
+ * blocks. Returns the bytes written, or -1 for a type neither holds. */
+int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *out) {
+    const int q6 = type == T_Q6_K, per = type >= T_Q4_K ? SUPER : GROUP;
+    if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q4_K && !q6) || K % per) return -1;
+    const int64_t tile = q6 ? 128 + 256 + 128 : 128 + 256, blocks = K / GROUP;
+    const int panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int p = 0; p < panels; p++) {
+        uint8_t *panel = (uint8_t *)out + (int64_t)p * blocks * 2 * tile;
+        memset(panel, 0, (size_t)(blocks * 2 * tile));
+        for (int c = 0; c < HP_BF16A_WIDTH && p * HP_BF16A_WIDTH + c < N; c++) {
+            const uint8_t *row = (const uint8_t *)(intptr_t)rows[p * HP_BF16A_WIDTH + c];
+            for (int kb = 0; kb < blocks; kb++) {
+                uint8_t v[GROUP];
+                float s0, s1;
+                widened_values(type, row, kb, v, &s0, &s1);
+                put_widened(panel + (kb * 2 + c / 16) * tile, c % 16, v, s0, s1, q6);
+            }
+        }
+    }
+    return (int64_t)panels * blocks * 2 * tile;
+}
