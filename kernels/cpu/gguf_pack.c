@@ -245,17 +245,25 @@ static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP
     for (int i = 0; i < GROUP; i++) v[i] = ((ql[i] >> (4 * (t / 2))) & 15) | ((qh[i] >> (2 * t)) & 3) << 4;
 }
 
-/* One column (cc of the tile's 16) of a zeroed Q4A or Q6A tile: its two scale floats, each input k's low four bits
- * in nibble cc / 8 of byte 2 (cc % 8) + k % 2 of row k / 2, and (Q6A) its high two in that byte of the high bits'
- * row k / 4, at bits 4 (k / 2 % 2) + 2 (cc / 8). */
-static void put_widened(uint8_t *tile, int cc, const uint8_t v[GROUP], float s0, float s1, int q6) {
-    put_float(tile, cc, s0), put_float(tile + 64, cc, s1);
+/* One Q4A or Q6A tile from its 16 columns' values and scales: d (or d of inputs 0-15) and m (or d of 16-31) as
+ * floats, then per pair of inputs (row r: k = 2 r, 2 r + 1) 16 bytes, byte 2 c + k % 2 holding column c's low four
+ * bits and column 8 + c's in its high nibble, then (Q6A) per two rows 16 bytes of the same values' high two bits:
+ * bits 0-1 and 2-3 for the first row's low and high nibble of that byte, 4-5 and 6-7 for the second row's. */
+static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
+    memcpy(tile, s0, 64), memcpy(tile + 64, s1, 64);
     uint8_t *nibbles = tile + 128, *high = nibbles + 256;
-    const int half = cc / 8, j0 = 2 * (cc % 8);
-    for (int k = 0; k < GROUP; k++) {
-        nibbles[16 * (k / 2) + j0 + k % 2] |= (uint8_t)((v[k] & 15) << (4 * half));
-        if (q6) high[16 * (k / 4) + j0 + k % 2] |= (uint8_t)(((v[k] >> 4) & 3) << (4 * (k / 2 % 2) + 2 * half));
-    }
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 16; j++) {
+            const int c = j / 2, k = 2 * r + j % 2;
+            nibbles[16 * r + j] = (uint8_t)((v[c][k] & 15) | (v[8 + c][k] & 15) << 4);
+        }
+    if (!q6) return;
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 16; j++) {
+            const int c = j / 2, k = 4 * i + j % 2; /* the first row's k; the second's is k + 2 */
+            high[16 * i + j] = (uint8_t)((v[c][k] >> 4) | (v[8 + c][k] >> 4) << 2 | (v[c][k + 2] >> 4) << 4 |
+                                         (v[8 + c][k + 2] >> 4) << 6);
+        }
 }
 
 /* Q4A panels (Q4_0, Q4_1, Q4_K) or Q6A panels (Q6_K) [ceil(N / 32), K / 32, 2 tiles] of the weight whose row r's
@@ -267,18 +275,21 @@ int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *
     const int64_t tile = q6 ? 128 + 256 + 128 : 128 + 256, blocks = K / GROUP;
     const int panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int p = 0; p < panels; p++) {
-        uint8_t *panel = (uint8_t *)out + (int64_t)p * blocks * 2 * tile;
-        memset(panel, 0, (size_t)(blocks * 2 * tile));
-        for (int c = 0; c < HP_BF16A_WIDTH && p * HP_BF16A_WIDTH + c < N; c++) {
-            const uint8_t *row = (const uint8_t *)(intptr_t)rows[p * HP_BF16A_WIDTH + c];
-            for (int kb = 0; kb < blocks; kb++) {
-                uint8_t v[GROUP];
-                float s0, s1;
-                widened_values(type, row, kb, v, &s0, &s1);
-                put_widened(panel + (kb * 2 + c / 16) * tile, c % 16, v, s0, s1, q6);
+    for (int p = 0; p < panels; p++)
+        for (int kb = 0; kb < blocks; kb++)
+            for (int t = 0; t < 2; t++) {
+                uint8_t v[16][GROUP];
+                float s0[16], s1[16];
+                for (int c = 0; c < 16; c++) {
+                    const int n = p * HP_BF16A_WIDTH + 16 * t + c;
+                    if (n < N) {
+                        widened_values(type, (const uint8_t *)(intptr_t)rows[n], kb, v[c], &s0[c], &s1[c]);
+                    } else { /* a column past N: weights of 0 */
+                        memset(v[c], 0, GROUP);
+                        s0[c] = s1[c] = 0.0f;
+                    }
+                }
+                put_tile((uint8_t *)out + (((int64_t)p * blocks + kb) * 2 + t) * tile, v, s0, s1, q6);
             }
-        }
-    }
     return (int64_t)panels * blocks * 2 * tile;
 }
