@@ -345,3 +345,18 @@ def test_a_q4_k_m_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(
                                     max_model_len=256)
     assert out[True][0] == 4 * 8 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]
+
+
+def test_a_gguf_embedding_of_its_own_stays_blocks_in_bfloat16(small_q4_k_m):
+    """In bfloat16 an untied GGUF embedding is not made a dense table: the lookups read its block panels and round
+    the rows to bfloat16, the values the dense table would hold."""
+    from gguf import GGUFReader
+
+    from engine.gguf_weights import decode
+
+    llm = LLM(str(small_q4_k_m), **quick(dtype="bfloat16", max_model_len=256))
+    embed = llm.engine.model.embed_tokens
+    assert embed.weight.numel() == 0 and embed.kernel is not None
+    table = next(t for t in GGUFReader(small_q4_k_m).tensors if t.name == "token_embd.weight")
+    ids = torch.tensor([0, 1, 17, 4099, 49159])
+    assert torch.equal(embed(ids), decode(table).dequantize(torch.bfloat16)[ids].float())

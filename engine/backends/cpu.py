@@ -93,9 +93,11 @@ class PackedEmbedding:
 
     packed: torch.Tensor
     num_rows: int
+    rounded_to: torch.dtype | None = None  # a bfloat16 model's: the rows rounded as its dense table would hold them
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.embed_rows(self.packed, input_ids, self.num_rows)
+        rows = cpu_kernels.embed_rows(self.packed, input_ids, self.num_rows)
+        return rows if self.rounded_to is None else rows.to(self.rounded_to).float()
 
 
 class CpuAttention(TorchAttention):
@@ -152,8 +154,11 @@ class CpuBackend(TorchBackend):
         quantized = first.mlp.gate_up_proj.quantized is not None
         # a GGUF file's Q4 and Q6_K projections, kept as blocks for AMX to widen if it times faster there
         blocks = widened.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
+        # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to bfloat16)
+        lookups = (model.embed_tokens,) if bf16 and not model.tie_word_embeddings else ()
         if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
-            dequantize_weights(model, self.dtype, self.device)  # the fallback: these products take dense weights
+            # the fallback: these products take dense weights
+            dequantize_weights(model, self.dtype, self.device, keep=lookups)
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
         dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.weight.detach() for m in projections}
@@ -197,6 +202,7 @@ class CpuBackend(TorchBackend):
                 if name.endswith("bias") or "norm" in name:
                     param.data = param.data.float()
         if library:  # the one-call decoder and the screened head are C panels' own; the lookups keep their table
+            dequantize_weights(model.embed_tokens, self.dtype, self.device)
             model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
             model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
             return
@@ -209,16 +215,16 @@ class CpuBackend(TorchBackend):
             model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
-        embed = model.embed_tokens
+        embed, rounded_to = model.embed_tokens, None
         if model.tie_word_embeddings:
             lookup = head
-        elif embed.quantized is not None:
-            lookup = _pack_quantized(embed.quantized)
+        elif embed.quantized is not None:  # a GGUF file's blocks, whose values a bfloat16 table would round
+            lookup, rounded_to = _pack_quantized(embed.quantized), self.dtype if bf16 else None
         else:
             table = embed.weight.detach()
             lookup = cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table)
         if lookup is not None:
-            embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab), None
+            embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab, rounded_to), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:

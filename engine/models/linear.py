@@ -76,13 +76,14 @@ class VocabEmbedding(nn.Embedding):
         return super().forward(input_ids)
 
 
-def dequantize_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Every quantized layer's weight made dense in ``dtype`` on ``device``, for kernels that take dense weights
-    (a GPU's, or bfloat16 products on a CPU): the documented fallback, at the dense weight's memory. A weight two
-    layers share (a tied LM head) stays shared."""
+def dequantize_weights(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                       keep: tuple[nn.Module, ...] = ()) -> None:
+    """Every quantized layer's weight (but ``keep``'s) made dense in ``dtype`` on ``device``, for kernels that take
+    dense weights (a GPU's, or bfloat16 products on a CPU): the documented fallback, at the dense weight's memory. A
+    weight two layers share (a tied LM head) stays shared."""
     dense: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        if isinstance(module, (Linear, VocabEmbedding)) and module.quantized is not None:
+        if isinstance(module, (Linear, VocabEmbedding)) and module.quantized is not None and module not in keep:
             key = id(module.quantized)
             if key not in dense:
                 dense[key] = nn.Parameter(module.quantized.dequantize(dtype).to(device), requires_grad=False)
