@@ -260,9 +260,17 @@ def test_q4a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k
     gen = torch.Generator().manual_seed(n + k)
     q, d, m = _q4_blocks(n, k, gen)
     weight = (d.unsqueeze(-1) * q.float() + m.unsqueeze(-1)).reshape(n, k)  # gguf-py's dequantization, fp32
-    widened, dense = cpu.pack_weight_q4a(q, d, m), cpu.pack_weight_bf16a(weight)
-    assert cpu.FORMAT_NAMES[widened.dtype] == "Q4A" and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
+    widened = cpu.pack_weight_q4a(q, d, m)
     assert widened.numel() == cdiv(n, 32) * 32 * k * 3 // 4  # 0.75 bytes a weight
+    _assert_the_bits_of_bf16a(widened, "Q4A", weight, gen)
+
+
+def _assert_the_bits_of_bf16a(widened: torch.Tensor, name: str, weight: torch.Tensor, gen: torch.Generator) -> None:
+    """``widened`` (panels of format ``name``) multiplies with the bits of the BF16A panels of ``weight`` at every
+    batch size, and is not read by lookups."""
+    n, k = weight.shape
+    dense = cpu.pack_weight_bf16a(weight)
+    assert cpu.FORMAT_NAMES[widened.dtype] == name and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
     bias = torch.randn(n, generator=gen)
     with cpu.bf16_body("amx"):
         for rows in (1, 3, 16, 33, 64, 100):
@@ -282,16 +290,23 @@ def test_q6a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k
     d = (torch.randn(n, k // 256 + 1, generator=gen) * 1e-3).half().float().repeat_interleave(16, dim=1)[:, :k // 16]
     d = d * torch.randint(-128, 128, (n, k // 16), generator=gen).float()
     weight = (d.view(n, k // 16, 1) * q.view(n, k // 16, 16).float()).reshape(n, k)  # gguf-py's, fp32
-    widened, dense = cpu.pack_weight_q6a(q, d), cpu.pack_weight_bf16a(weight)
-    assert cpu.FORMAT_NAMES[widened.dtype] == "Q6A" and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
+    widened = cpu.pack_weight_q6a(q, d)
     assert widened.numel() == cdiv(n, 32) * 32 * k  # 1 byte a weight
-    bias = torch.randn(n, generator=gen)
-    with cpu.bf16_body("amx"):
-        for rows in (1, 3, 16, 33, 64, 100):
-            x = torch.randn(rows, k, generator=gen)
-            assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
-    with pytest.raises(ValueError, match="lookups"):
-        cpu.embed_rows(widened, torch.tensor([0]), n)
+    _assert_the_bits_of_bf16a(widened, "Q6A", weight, gen)
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("n,k", [(100, 576), (1100, 64), (33, 1536)])
+def test_q8a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k):
+    """Q8A panels hold Q8_0's (and Q5_0's) blocks, an int8 q and an fp16 d per 32 inputs, in 1.125 bytes a weight;
+    widened (d q, exact) they are the tiles of the dequantized weight's BF16A panels."""
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-128, 128, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+    d = (torch.randn(n, k // 32, generator=gen) * 1e-3).half().float()
+    weight = (d.unsqueeze(-1) * q.float()).reshape(n, k)
+    widened = cpu.pack_weight_q8a(q, d)
+    assert widened.numel() == cdiv(n, 32) * 32 * k * 9 // 8  # 1.125 bytes a weight
+    _assert_the_bits_of_bf16a(widened, "Q8A", weight, gen)
 
 
 @pytest.mark.skipif("amx" in BODIES or not cpu.available(), reason="the CPU has AMX tiles")
@@ -301,6 +316,8 @@ def test_widened_panels_are_refused_without_amx():
         cpu.pack_weight_q4a(q, d, m)
     with pytest.raises(ValueError, match="need AMX tiles"):
         cpu.pack_weight_q6a(torch.zeros(32, 2, 32, dtype=torch.int8), torch.ones(32, 4))
+    with pytest.raises(ValueError, match="need AMX tiles"):
+        cpu.pack_weight_q8a(torch.zeros(32, 2, 32, dtype=torch.int8), torch.ones(32, 2))
 
 
 def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
@@ -360,3 +377,15 @@ def test_a_gguf_embedding_of_its_own_stays_blocks_in_bfloat16(small_q4_k_m):
     table = next(t for t in GGUFReader(small_q4_k_m).tensors if t.name == "token_embd.weight")
     ids = torch.tensor([0, 1, 17, 4099, 49159])
     assert torch.equal(embed(ids), decode(table).dequantize(torch.bfloat16)[ids].float())
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+def test_a_q8_0_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(tmp_path):
+    """A Q8_0 file's weights are Q8A panels (its LM head of its own too): the same tokens as from BF16A panels."""
+    from loadtest.models import Shape, write_model
+
+    shape = Shape("llama", 256, 512, 2, 4, 2, 49160, 10000.0, 2048, tied=False)  # vocab: the tokenizer's, padded
+    path = write_model(shape, "q8_0", tmp_path / "small-q8_0.gguf", seed=2)
+    out = _widened_and_bf16a_tokens(str(path), ["Hello there", "Once upon a time, in a land"], max_model_len=256)
+    assert out[True][0] == 4 * 2 + 1 and out[False][0] == 0
+    assert out[True][1] == out[False][1]

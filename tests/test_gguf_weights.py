@@ -226,9 +226,10 @@ def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gg
 
 
 @pytest.mark.skipif("amx" not in (cpu.bf16_dots() if cpu.available() else []), reason="the CPU has no AMX tiles")
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda k: k.name)
 def test_widened_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gguf_tensors, kind):
-    """Q4A and Q6A panels (bfloat16 on AMX) are written from the mapped blocks too, as the decoded blocks pack."""
+    """Q4A, Q6A and Q8A panels (bfloat16 on AMX) are written from the mapped blocks too, as the decoded blocks
+    pack."""
     from engine.backends import widened
 
     blocks = file_blocks(gguf_tensors[kind.name])

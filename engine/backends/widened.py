@@ -1,11 +1,11 @@
-"""A GGUF file's blocks kept as blocks in a bfloat16 process on AMX: Q4A and Q6A panels (``kernels/cpu/amx.c``),
+"""A GGUF file's blocks kept as blocks in a bfloat16 process on AMX: Q4A, Q6A and Q8A panels (``kernels/cpu/amx.c``),
 which the tile products widen to bfloat16 a k step at a time as they multiply.
 
 Why: made dense for the tiles (BF16A panels), a Q4_K_M file's weights take 2 bytes each where the file holds ~0.6,
 and a step reads every one of them. Widened as they are multiplied, the values and so the bits of the products are
 those of the BF16A panels of the dequantized weight, in 0.75 bytes a weight (Q4_0, Q4_1, Q4_K: d q + m per 32
-inputs) or 1 byte (Q6_K: d q per 16). The widening costs vector work, so start-up times these panels against BF16A
-on the first layers and keeps the faster (``timed``, ``faster``).
+inputs), 1 byte (Q6_K: d q per 16) or 1.125 (Q8_0, Q5_0: d q per 32). The widening costs vector work, so start-up
+times these panels against BF16A on the first layers and keeps the faster (``timed``, ``faster``).
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q6"}  # GGUF type -> the kind of blocks its panels hold
-KINDS = {"q4": "q4", "q4k": "q4", "q6": "q6", "q6k": "q6"}  # the same for decoded blocks (a K-quant's scales formed)
+# GGUF type -> the kind of blocks its panels hold; the same for decoded blocks (a K-quant's scales formed)
+TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q6", "Q8_0": "q8", "Q5_0": "q8"}
+KINDS = {"q4": "q4", "q4k": "q4", "q6": "q6", "q6k": "q6", "q8": "q8"}
 TIMING_BYTES = 1 << 30  # bfloat16 weights over which the widened panels are timed against BF16A
 
 Panels = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a weight's panels, or a SplitBlocks' head's and tail's
 
 
 def kind_of(blocks: Blocks | None) -> str | None:
-    """The kind of blocks ("q4" or "q6") widened panels hold ``blocks`` as, or None where they cannot. A fused
+    """The kind of blocks ("q4", "q6" or "q8") widened panels hold ``blocks`` as, or None where they cannot. A fused
     projection of two types is two panels, each of which must be widenable."""
     if isinstance(blocks, SplitBlocks):
         head, tail = kind_of(blocks.head), kind_of(blocks.tail)
@@ -56,7 +57,7 @@ def take(model: LlamaForCausalLM) -> dict[Linear, Blocks]:
 
 
 def panels(blocks: Blocks) -> Panels:
-    """``blocks`` decoded and packed as Q4A or Q6A panels (each part of a fused projection of two types)."""
+    """``blocks`` decoded and packed as Q4A, Q6A or Q8A panels (each part of a fused projection of two types)."""
     if isinstance(blocks, SplitBlocks):
         return panels(blocks.head), panels(blocks.tail)
     if isinstance(blocks, FileBlocks):  # straight from the file's bytes (gguf_pack.c), the same panels
@@ -65,6 +66,8 @@ def panels(blocks: Blocks) -> Panels:
     decoded = blocks.decoded().widen(kind)
     if kind == "q4":
         return cpu_kernels.pack_weight_q4a(decoded.values(), decoded.d, decoded.m)
+    if kind == "q8":
+        return cpu_kernels.pack_weight_q8a(decoded.q, decoded.d)
     return cpu_kernels.pack_weight_q6a(decoded.q, decoded.d)
 
 

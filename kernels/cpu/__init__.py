@@ -166,9 +166,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # are viewed as float16: dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
-                  torch.float8_e4m3fn: 13, torch.float8_e5m2: 14}
+                  torch.float8_e4m3fn: 13, torch.float8_e5m2: 14, torch.float8_e4m3fnuz: 15}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
-                torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A",
+                torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A", torch.float8_e4m3fnuz: "Q8A",
                 **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
@@ -244,19 +244,21 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
     return out
 
 
-# ggml types whose blocks widened panels hold (gguf_pack.c): Q4_0, Q4_1 and Q4_K as Q4A, Q6_K as Q6A
-GGUF_WIDENED_DTYPES = {2: torch.float8_e4m3fn, 3: torch.float8_e4m3fn, 12: torch.float8_e4m3fn, 14: torch.float8_e5m2}
+# ggml types whose blocks widened panels hold (gguf_pack.c): Q4_0, Q4_1 and Q4_K as Q4A, Q6_K as Q6A, Q8_0 and
+# Q5_0 as Q8A
+GGUF_WIDENED_DTYPES = {2: torch.float8_e4m3fn, 3: torch.float8_e4m3fn, 12: torch.float8_e4m3fn, 14: torch.float8_e5m2,
+                       8: torch.float8_e4m3fnuz, 6: torch.float8_e4m3fnuz}
 
 
 def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Q4A or Q6A panels of a GGUF file's blocks read where they lie (``gguf_pack.c``), as ``pack_gguf_rows`` packs
-    the other panels: the same panels as ``pack_weight_q4a`` / ``pack_weight_q6a`` of the decoded blocks. Only where
-    ``"amx" in bf16_dots()``."""
+    """Q4A, Q6A or Q8A panels of a GGUF file's blocks read where they lie (``gguf_pack.c``), as ``pack_gguf_rows``
+    packs the other panels: the same panels as ``pack_weight_q4a`` / ``_q6a`` / ``_q8a`` of the decoded blocks. Only
+    where ``"amx" in bf16_dots()``."""
     dtype = GGUF_WIDENED_DTYPES.get(ggml_type)
     if dtype is None:
         raise ValueError(f"ggml type {ggml_type} has no widened panel format")
     if "amx" not in bf16_dots():
-        raise ValueError("Q4A and Q6A panels need AMX tiles, which this CPU or build lacks")
+        raise ValueError("Q4A, Q6A and Q8A panels need AMX tiles, which this CPU or build lacks")
     rows = rows.to(torch.int64).contiguous()
     out = torch.empty(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP, 2 * WIDENED_TILE_BYTES[dtype],
                       dtype=dtype)
@@ -311,7 +313,9 @@ def pack_weight_bf16a(weight: torch.Tensor) -> torch.Tensor:
 
 Q4A_TILE_BYTES = 2 * 16 * 4 + 16 * 16  # amx.c: a tile's d and m (fp32) for its 16 columns, then 16 rows of nibbles
 Q6A_TILE_BYTES = Q4A_TILE_BYTES + 8 * 16  # its two d (k 0-15, 16-31), the low nibbles, then 8 x 16 bytes of high bits
-WIDENED_TILE_BYTES = {torch.float8_e4m3fn: Q4A_TILE_BYTES, torch.float8_e5m2: Q6A_TILE_BYTES}  # of Q4A, Q6A panels
+Q8A_TILE_BYTES = 16 * 4 + 16 * 32  # a tile's d (fp32) for its 16 columns, then 16 rows of 32 bytes
+WIDENED_TILE_BYTES = {torch.float8_e4m3fn: Q4A_TILE_BYTES, torch.float8_e5m2: Q6A_TILE_BYTES,
+                      torch.float8_e4m3fnuz: Q8A_TILE_BYTES}  # of Q4A, Q6A and Q8A panels
 
 
 def pack_weight_q4a(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -343,11 +347,22 @@ def pack_weight_q6a(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return packed.reshape(panels, blocks_k, 2 * Q6A_TILE_BYTES).view(torch.float8_e5m2)
 
 
+def pack_weight_q8a(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8 blocks (the q8 kind: values ``q`` int8 [N, K/32, 32], ``d`` fp32 [N, K/32]; GGUF's Q8_0 and Q5_0) as Q8A
+    panels for AMX, widened as Q4A panels are: the bits of the BF16A panels of d q, in 1.125 bytes a weight. Per 32
+    columns and 32 inputs, two tiles of Q8A_TILE_BYTES: 16 columns' d, then per pair of inputs 32 bytes, columns
+    0-7's (each column's k then k + 1), then columns 8-15's (float8_e4m3fnuz [ceil(N / 32), K / 32, 2
+    Q8A_TILE_BYTES]). Only where ``"amx" in bf16_dots()``."""
+    panels, values, blocks_k = _widened_values(q.view(torch.uint8))
+    packed = torch.cat([_tile_scales(d, panels, 1), values.reshape(panels, blocks_k, 2, 512)], dim=-1)
+    return packed.reshape(panels, blocks_k, 2 * Q8A_TILE_BYTES).view(torch.float8_e4m3fnuz)
+
+
 def _widened_values(q: torch.Tensor) -> tuple[int, torch.Tensor, int]:
     """Values [N, K/32, 32] (uint8) in a widened panel's order, zero columns past N:
     [panel, block, tile, pair of k, half (columns 0-7, 8-15), column and k of the pair (16)]."""
     if "amx" not in bf16_dots():
-        raise ValueError("Q4A and Q6A panels need AMX tiles, which this CPU or build lacks")
+        raise ValueError("Q4A, Q6A and Q8A panels need AMX tiles, which this CPU or build lacks")
     n, blocks_k, _ = q.shape
     panels, pad = cdiv(n, BF16A_WIDTH), cdiv(n, BF16A_WIDTH) * BF16A_WIDTH - n
     if pad:

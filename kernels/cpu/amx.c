@@ -8,8 +8,8 @@
  * 16 rows of k pairs, a panel's width of words apart. The engine packs BF16A panels, 32 columns, two whole tiles;
  * BF16C's 24 columns also run here, their second tile op half empty.
  *
- * Q4A and Q6A panels (a GGUF file's Q4_0/Q4_1/Q4_K and Q6_K projections in a bfloat16 process) hold the blocks
- * instead, 0.75 and 1 byte a weight: the vector units widen each k step's two tiles to bfloat16 just before the tile
+ * Q4A, Q6A and Q8A panels (a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights in a bfloat16 process) hold
+ * the blocks instead, 0.75, 1 and 1.125 bytes a weight: the vector units widen each k step's two tiles to bfloat16 just before the tile
  * ops read them, the bits of the dequantized weight's BF16A panels. Where a batch's products stream their weights
  * from DRAM (a few to a hundred rows), fewer bytes read is the saving; the backend times them against BF16A at
  * start-up.
@@ -97,9 +97,12 @@ static const struct tiles WIDENED = {2 * 1024, 1024, 64}; /* a Q4A panel widened
 
 #define Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16) /* d and m of 16 columns (fp32), then 16 rows of 16 bytes of nibbles */
 #define Q6A_TILE_BYTES (Q4A_TILE_BYTES + 8 * 16) /* d of k 0-15 and of k 16-31, the low nibbles, then the high bits */
+#define Q8A_TILE_BYTES (16 * 4 + 16 * 32)       /* d of 16 columns (fp32), then 16 rows of 32 bytes */
 
-/* Where a widened panel's tiles lie, and what widens them. */
-static inline int64_t widened_tile_bytes(int format) { return format == HP_Q6A ? Q6A_TILE_BYTES : Q4A_TILE_BYTES; }
+/* Bytes of one tile of a widened panel (HP_Q4A, HP_Q6A or HP_Q8A). */
+static inline int64_t widened_tile_bytes(int format) {
+    return format == HP_Q6A ? Q6A_TILE_BYTES : format == HP_Q8A ? Q8A_TILE_BYTES : Q4A_TILE_BYTES;
+}
 
 /* Tiles t0 .. t1 of a Q4A panel (two per 32 k) widened to bfloat16 in WIDENED's layout at out: each row's 32
  * nibbles (16 columns x a pair of k) as d q + m in fp32 (d q exact, so one rounding: the dequantized weight's
@@ -157,12 +160,33 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
     }
 }
 
-/* What a panel's tile loop also does: widen a Q4A or Q6A panel (src, NULL for none) into dst, each k step's two
+/* Tiles t0 .. t1 of a Q8A panel (two per 32 k) widened to bfloat16 as widen_q4a does: each value q (-128..127) as
+ * d q in fp32 (exact), d that of its column's 32 k. Per pair of k a tile holds 32 bytes: columns 0-7's (each
+ * column's k then k + 1), then columns 8-15's. */
+static inline __attribute__((always_inline)) void widen_q8a(const char *panel, int t0, int t1, uint16_t *out) {
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int t = t0; t < t1; t++) {
+        const char *b = panel + (int64_t)t * Q8A_TILE_BYTES, *bytes = b + 64;
+        const __m512 d = _mm512_loadu_ps(b);
+        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+        uint16_t *o = out + (int64_t)t * 512;
+        for (int r = 0; r < 16; r++) {
+            const __m512i vlo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 32 * r)));
+            const __m512i vhi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 32 * r + 16)));
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(vlo), dlo);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(vhi), dhi);
+            _mm512_store_si512(o + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* What a panel's tile loop also does: widen a Q4A, Q6A or Q8A panel (src, NULL for none) into dst, each k step's two
  * tiles just before the tile loads that read them. */
 struct widening {
     const char *src;
     uint16_t *dst;
-    int format; /* HP_Q4A or HP_Q6A */
+    int format; /* HP_Q4A, HP_Q6A or HP_Q8A */
 };
 
 /* The tiles' sums of one row group (or two, ``two``), stored at out (row stride ldo floats). */
@@ -180,6 +204,8 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
     for (int k = 0; k < K; k += TILE_K) {
         if (widen.src && widen.format == HP_Q6A)
             widen_q6a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+        else if (widen.src && widen.format == HP_Q8A)
+            widen_q8a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         else if (widen.src)
             widen_q4a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         const char *b = panel + (int64_t)(k / TILE_K) * w.step;
@@ -230,7 +256,7 @@ static void panel_product(int p, const uint16_t *a, const char *panel, struct ti
     }
 }
 
-/* Panel p of Q4A or Q6A weights (``format``): widened into this thread's buffer a k step at a time just ahead of
+/* Panel p of Q4A, Q6A or Q8A weights (``format``): widened into this thread's buffer a k step at a time just ahead of
  * the first row pair's tile loads, then read as it is by the other pairs. NOTE: widening the next panel under this
  * one's tile ops (two buffers taking turns) measured no faster at 1-256 rows (docs/benchmarks.md). */
 static void widened_panel_product(int p, int format, const uint16_t *a, const void *packed, const float *bias,
@@ -250,7 +276,7 @@ static void widened_panel_product(int p, int format, const uint16_t *a, const vo
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K) {
     if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8 ||
-        (widened && (nr != HP_BF16A_WIDTH || (widened != HP_Q4A && widened != HP_Q6A))))
+        (widened && (nr != HP_BF16A_WIDTH || (widened != HP_Q4A && widened != HP_Q6A && widened != HP_Q8A))))
         return -1;
     if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
     static __thread uint16_t *buffer = 0;

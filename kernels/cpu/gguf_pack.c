@@ -216,11 +216,22 @@ int64_t hp_pack_gguf(int type, const int64_t *rows, int N, int K, int nr, void *
     return total;
 }
 
-/* ---- Q4A and Q6A panels (amx.c) ------------------------------------------------------------------------------
+/* ---- Q4A, Q6A and Q8A panels (amx.c) ------------------------------------------------------------------------
  * The values of one column's 32 inputs at block kb (of K / 32) and their scales, from the file's blocks: d and m
- * (Q4_0, Q4_1, Q4_K: d q + m, q in 0..15, a K-quant's scales formed as gguf-py forms them, exact products), or d of
- * inputs 0-15 and of 16-31 (Q6_K: q + 32 in 0..63, valued d q - 32 d). */
+ * (Q4_0, Q4_1, Q4_K: d q + m, q in 0..15, a K-quant's scales formed as gguf-py forms them, exact products), d of
+ * inputs 0-15 and of 16-31 (Q6_K: q + 32 in 0..63, valued d q - 32 d), or d (Q8_0, Q5_0: d q, q an int8). */
 static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP], float *s0, float *s1) {
+    if (type == T_Q8_0 || type == T_Q5_0) { /* d q, q int8 (bytes); Q5_0: d (q - 16), q in 0..31 */
+        const uint8_t *b = row + (int64_t)kb * block_bytes_of(type);
+        *s0 = half_at(b), *s1 = 0.0f;
+        if (type == T_Q8_0) {
+            memcpy(v, b + 2, GROUP);
+            return;
+        }
+        split_nibbles(b + 6, v), add_high_bits(b + 2, v);
+        for (int i = 0; i < GROUP; i++) v[i] = (uint8_t)(int8_t)(v[i] - 16);
+        return;
+    }
     if (type == T_Q4_0 || type == T_Q4_1) {
         const uint8_t *b = row + (int64_t)kb * block_bytes_of(type);
         *s0 = half_at(b), *s1 = type == T_Q4_0 ? -8 * *s0 : half_at(b + 2);
@@ -266,13 +277,25 @@ static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[1
         }
 }
 
-/* Q4A panels (Q4_0, Q4_1, Q4_K) or Q6A panels (Q6_K) [ceil(N / 32), K / 32, 2 tiles] of the weight whose row r's
- * blocks start at rows[r], as kernels/cpu/__init__.py's pack_weight_q4a and pack_weight_q6a pack its decoded
- * blocks. Returns the bytes written, or -1 for a type neither holds. */
+/* One Q8A tile from its 16 columns' values and d: d as floats, then per pair of inputs (row r) 32 bytes, byte
+ * 2 c + k % 2 column c's value at k = 2 r + k % 2 and byte 16 + 2 c + k % 2 column 8 + c's. */
+static void put_tile_q8(uint8_t *tile, const uint8_t v[16][GROUP], const float d[16]) {
+    memcpy(tile, d, 64);
+    uint8_t *bytes = tile + 64;
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 16; j++) {
+            const int c = j / 2, k = 2 * r + j % 2;
+            bytes[32 * r + j] = v[c][k], bytes[32 * r + 16 + j] = v[8 + c][k];
+        }
+}
+
+/* Q4A panels (Q4_0, Q4_1, Q4_K), Q6A panels (Q6_K) or Q8A panels (Q8_0, Q5_0) [ceil(N / 32), K / 32, 2 tiles] of
+ * the weight whose row r's blocks start at rows[r], as kernels/cpu/__init__.py's pack_weight_q4a, _q6a and _q8a
+ * pack its decoded blocks. Returns the bytes written, or -1 for a type none holds. */
 int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *out) {
-    const int q6 = type == T_Q6_K, per = type >= T_Q4_K ? SUPER : GROUP;
-    if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q4_K && !q6) || K % per) return -1;
-    const int64_t tile = q6 ? 128 + 256 + 128 : 128 + 256, blocks = K / GROUP;
+    const int q6 = type == T_Q6_K, q8 = type == T_Q8_0 || type == T_Q5_0, per = type >= T_Q4_K ? SUPER : GROUP;
+    if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q4_K && !q6 && !q8) || K % per) return -1;
+    const int64_t tile = q6 ? 128 + 256 + 128 : q8 ? 64 + 512 : 128 + 256, blocks = K / GROUP;
     const int panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < panels; p++)
@@ -289,7 +312,11 @@ int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *
                         s0[c] = s1[c] = 0.0f;
                     }
                 }
-                put_tile((uint8_t *)out + (((int64_t)p * blocks + kb) * 2 + t) * tile, v, s0, s1, q6);
+                uint8_t *at = (uint8_t *)out + (((int64_t)p * blocks + kb) * 2 + t) * tile;
+                if (q8)
+                    put_tile_q8(at, v, s0);
+                else
+                    put_tile(at, v, s0, s1, q6);
             }
     return (int64_t)panels * blocks * 2 * tile;
 }
