@@ -321,7 +321,7 @@ def test_widened_panels_are_refused_without_amx():
 
 
 def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
-    """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its GGUF blocks as Q4A/Q6A panels (True) and as
+    """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its GGUF blocks as Q4A/Q6A/Q8A panels (True) and as
     BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
     with the number of weights from widened panels."""
     from engine.backends import cpu as cpu_backend

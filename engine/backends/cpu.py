@@ -152,7 +152,7 @@ class CpuBackend(TorchBackend):
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
         first = model.layers[0]
         quantized = first.mlp.gate_up_proj.quantized is not None
-        # a GGUF file's Q4 and Q6_K projections, kept as blocks for AMX to widen if it times faster there
+        # a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights, kept as blocks for AMX to widen if that times faster
         blocks = widened.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to bfloat16)
         lookups = (model.embed_tokens,) if bf16 and not model.tie_word_embeddings else ()
@@ -235,8 +235,8 @@ class CpuBackend(TorchBackend):
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
-        """The products of ``blocks`` from their Q4A/Q6A panels where start-up times those faster than BF16A panels
-        (``widened.py``), packed a weight at a time with its file pages handed back after; else none."""
+        """The products of ``blocks`` from their Q4A/Q6A/Q8A panels where start-up times those faster than BF16A
+        panels (``widened.py``), packed a weight at a time with its file pages handed back after; else none."""
         made, seconds = widened.timed(model, blocks, self.dtype, BF16_DOT_ROWS)
         if not widened.faster(seconds):
             return {}
@@ -287,7 +287,7 @@ class CpuBackend(TorchBackend):
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
-        blocks = f", {self.widened_panels} weights from Q4A/Q6A panels" if self.widened_panels else ""
+        blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
 

@@ -36,8 +36,8 @@ Panels = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a weight's panels, 
 
 
 def kind_of(blocks: Blocks | None) -> str | None:
-    """The kind of blocks ("q4", "q6" or "q8") widened panels hold ``blocks`` as, or None where they cannot. A fused
-    projection of two types is two panels, each of which must be widenable."""
+    """The kind of blocks ("q4", "q6" or "q8") widened panels hold ``blocks`` as, or None where they cannot; "split"
+    for a fused projection of two types, two panels, where each part can be widened."""
     if isinstance(blocks, SplitBlocks):
         head, tail = kind_of(blocks.head), kind_of(blocks.tail)
         return head and tail and "split"
