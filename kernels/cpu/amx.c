@@ -95,14 +95,6 @@ static inline struct tiles tiles_of(int nr) { /* BF16C and BF16A: a tile's row i
 
 static const struct tiles WIDENED = {2 * 1024, 1024, 64}; /* a Q4A panel widened: each tile one run of 1 KiB */
 
-#define Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16) /* d and m of 16 columns (fp32), then 16 rows of 16 bytes of nibbles */
-#define Q6A_TILE_BYTES (Q4A_TILE_BYTES + 8 * 16) /* d of k 0-15 and of k 16-31, the low nibbles, then the high bits */
-#define Q8A_TILE_BYTES (16 * 4 + 16 * 32)       /* d of 16 columns (fp32), then 16 rows of 32 bytes */
-
-/* Bytes of one tile of a widened panel (HP_Q4A, HP_Q6A or HP_Q8A). */
-static inline int64_t widened_tile_bytes(int format) {
-    return format == HP_Q6A ? Q6A_TILE_BYTES : format == HP_Q8A ? Q8A_TILE_BYTES : Q4A_TILE_BYTES;
-}
 
 /* Tiles t0 .. t1 of a Q4A panel (two per 32 k) widened to bfloat16 in WIDENED's layout at out: each row's 32
  * nibbles (16 columns x a pair of k) as d q + m in fp32 (d q exact, so one rounding: the dequantized weight's
@@ -111,7 +103,7 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
     const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
     for (int t = t0; t < t1; t++) {
-        const char *b = panel + (int64_t)t * Q4A_TILE_BYTES;
+        const char *b = panel + (int64_t)t * HP_Q4A_TILE_BYTES;
         const __m512 d = _mm512_loadu_ps(b), m = _mm512_loadu_ps(b + 64);
         const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
         const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
@@ -136,7 +128,7 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
     const __m512i two = _mm512_set1_epi32(3);
     for (int t = t0; t < t1; t++) {
-        const char *b = panel + (int64_t)t * Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
+        const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
         uint16_t *o = out + (int64_t)t * 512;
         for (int half = 0; half < 2; half++) {
             const __m512 d = _mm512_loadu_ps(b + 64 * half);
@@ -167,7 +159,7 @@ static inline __attribute__((always_inline)) void widen_q8a(const char *panel, i
     const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
     for (int t = t0; t < t1; t++) {
-        const char *b = panel + (int64_t)t * Q8A_TILE_BYTES, *bytes = b + 64;
+        const char *b = panel + (int64_t)t * HP_Q8A_TILE_BYTES, *bytes = b + 64;
         const __m512 d = _mm512_loadu_ps(b);
         const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
         uint16_t *o = out + (int64_t)t * 512;
@@ -268,7 +260,7 @@ static void widened_panel_product(int p, int format, const uint16_t *a, const vo
         widened = (uint16_t *)aligned_alloc(64, (size_t)K * 32 * 2);
         widened_k = K;
     }
-    const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * widened_tile_bytes(format),
+    const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * hp_widened_tile_bytes(format),
                                   widened, format};
     panel_product(p, a, (const char *)widened, WIDENED, here, HP_BF16A_WIDTH, bias, y, ldy, M, N, K, groups);
 }

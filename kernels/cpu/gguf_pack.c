@@ -88,6 +88,12 @@ static void add_high_bits(const uint8_t *qh, uint8_t v[GROUP]) {
     for (int i = 0; i < GROUP; i++) v[i] |= ((qh[i / 8] >> (i % 8)) & 1) << 4;
 }
 
+/* A Q5_0 block's values as int8: q - 16, q in 0..31 (its low nibbles and the 32 bits of its high bits). */
+static void q5_0_values(const uint8_t *src, uint8_t v[GROUP]) {
+    split_nibbles(src + 6, v), add_high_bits(src + 2, v);
+    for (int i = 0; i < GROUP; i++) v[i] = (uint8_t)(int8_t)(v[i] - 16);
+}
+
 /* One per-32 block (Q4_0 ... Q8_0) of column c into its place of a Q4, Q8 or Q5 panel block: the scale vectors
  * (d; Q4 and Q5: d, m), then the weights. A zero block where src is NULL (a padding column). */
 static void put_block32(int type, const uint8_t *src, uint8_t *block, int nr, int c) {
@@ -98,10 +104,7 @@ static void put_block32(int type, const uint8_t *src, uint8_t *block, int nr, in
         switch (type) {
         case T_Q4_0: d = half_at(src), m = -8 * d; break;
         case T_Q4_1: d = half_at(src), m = half_at(src + 2); break;
-        case T_Q5_0: /* d (q - 16), q in 0..31: Q8 panels' int8 */
-            d = half_at(src), split_nibbles(src + 6, v), add_high_bits(src + 2, v);
-            for (int i = 0; i < GROUP; i++) v[i] = (uint8_t)(int8_t)(v[i] - 16);
-            break;
+        case T_Q5_0: d = half_at(src), q5_0_values(src, v); break; /* d (q - 16): Q8 panels' int8 */
         case T_Q5_1: d = half_at(src), m = half_at(src + 2), split_nibbles(src + 8, v), add_high_bits(src + 4, v); break;
         default: d = half_at(src), memcpy(v, src + 2, GROUP); break; /* Q8_0 */
         }
@@ -224,12 +227,10 @@ static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP
     if (type == T_Q8_0 || type == T_Q5_0) { /* d q, q int8 (bytes); Q5_0: d (q - 16), q in 0..31 */
         const uint8_t *b = row + (int64_t)kb * block_bytes_of(type);
         *s0 = half_at(b), *s1 = 0.0f;
-        if (type == T_Q8_0) {
+        if (type == T_Q8_0)
             memcpy(v, b + 2, GROUP);
-            return;
-        }
-        split_nibbles(b + 6, v), add_high_bits(b + 2, v);
-        for (int i = 0; i < GROUP; i++) v[i] = (uint8_t)(int8_t)(v[i] - 16);
+        else
+            q5_0_values(b, v);
         return;
     }
     if (type == T_Q4_0 || type == T_Q4_1) {
@@ -295,7 +296,7 @@ static void put_tile_q8(uint8_t *tile, const uint8_t v[16][GROUP], const float d
 int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *out) {
     const int q6 = type == T_Q6_K, q8 = type == T_Q8_0 || type == T_Q5_0, per = type >= T_Q4_K ? SUPER : GROUP;
     if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q4_K && !q6 && !q8) || K % per) return -1;
-    const int64_t tile = q6 ? 128 + 256 + 128 : q8 ? 64 + 512 : 128 + 256, blocks = K / GROUP;
+    const int64_t tile = hp_widened_tile_bytes(q6 ? HP_Q6A : q8 ? HP_Q8A : HP_Q4A), blocks = K / GROUP;
     const int panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < panels; p++)

@@ -30,6 +30,16 @@ enum hp_weight_format {
  * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
 enum hp_bf16_dot { HP_BF16_FMA = 0, HP_BF16_DPBF16 = 1, HP_BF16_AMX = 2 };
 int hp_amx_bf16_available(void);
+/* Bytes of one tile (16 columns x 32 inputs) of the widened panels, which hold a GGUF file's blocks for AMX (amx.c;
+ * gguf_pack.c packs them): Q4A d and m of its 16 columns (fp32), then 16 rows of 16 bytes of nibbles; Q6A d of
+ * inputs 0-15 and of 16-31, the low nibbles, then 8 x 16 bytes of high bits; Q8A d, then 16 rows of 32 bytes. */
+#define HP_Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16)
+#define HP_Q6A_TILE_BYTES (HP_Q4A_TILE_BYTES + 8 * 16)
+#define HP_Q8A_TILE_BYTES (16 * 4 + 16 * 32)
+static inline int64_t hp_widened_tile_bytes(int format) {
+    return format == HP_Q6A ? HP_Q6A_TILE_BYTES : format == HP_Q8A ? HP_Q8A_TILE_BYTES : HP_Q4A_TILE_BYTES;
+}
+
 /* BF16C panels nr columns wide, BF16A panels (nr 32), or Q4A, Q6A or Q8A panels (nr 32, widened their format; else
  * 0) on AMX tiles; -1 where it cannot. */
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
