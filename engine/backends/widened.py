@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# GGUF type -> the kind of blocks its panels hold; the same for decoded blocks (a K-quant's scales formed)
-TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q6", "Q8_0": "q8", "Q5_0": "q8"}
+# the kind of blocks each widened format holds, and the kind decoded blocks are held as (a K-quant's scales formed);
+# which GGUF types go to which format is kernels.cpu.GGUF_WIDENED_DTYPES
+FORMAT_KINDS = {"Q4A": "q4", "Q6A": "q6", "Q8A": "q8"}
 KINDS = {"q4": "q4", "q4k": "q4", "q6": "q6", "q6k": "q6", "q8": "q8"}
 TIMING_BYTES = 1 << 30  # bfloat16 weights over which the widened panels are timed against BF16A
 
@@ -44,7 +45,8 @@ def kind_of(blocks: Blocks | None) -> str | None:
     if isinstance(blocks, QuantizedWeight):
         kind = KINDS.get(blocks.kind)
     else:
-        kind = TYPES.get(blocks.ggml_type) if isinstance(blocks, FileBlocks) else None
+        dtype = cpu_kernels.GGUF_WIDENED_DTYPES.get(blocks.type_id) if isinstance(blocks, FileBlocks) else None
+        kind = FORMAT_KINDS[cpu_kernels.FORMAT_NAMES[dtype]] if dtype is not None else None
     return kind if kind and blocks.shape[1] % 32 == 0 else None
 
 

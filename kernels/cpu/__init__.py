@@ -364,9 +364,8 @@ def _widened_values(q: torch.Tensor) -> tuple[int, torch.Tensor, int]:
     if "amx" not in bf16_dots():
         raise ValueError("Q4A, Q6A and Q8A panels need AMX tiles, which this CPU or build lacks")
     n, blocks_k, _ = q.shape
-    panels, pad = cdiv(n, BF16A_WIDTH), cdiv(n, BF16A_WIDTH) * BF16A_WIDTH - n
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, *q.shape[1:])])
+    panels = cdiv(n, BF16A_WIDTH)
+    q = _padded(q, panels)
     # [panel, tile, half, column, block, pair, k of the pair] -> [panel, block, tile, pair, half, column, k]
     values = q.view(panels, 2, 2, 8, blocks_k, 16, 2).permute(0, 4, 1, 5, 2, 3, 6).reshape(
         panels, blocks_k, 2, 16, 2, 16)
@@ -381,12 +380,16 @@ def _low_nibbles(values: torch.Tensor) -> torch.Tensor:
 
 def _tile_scales(t: torch.Tensor, panels: int, per_block: int) -> torch.Tensor:
     """Scales [N, K/32 per_block] (fp32) as each tile's bytes: per block, tile, and scale of the block, 16 columns."""
-    n = t.shape[0]
-    pad = panels * BF16A_WIDTH - n
-    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    t = _padded(t, panels)
     blocks_k = t.shape[1] // per_block
     return (t.float().view(panels, 2, 16, blocks_k, per_block).permute(0, 3, 1, 4, 2).contiguous()
             .view(torch.uint8).reshape(panels, blocks_k, 2, per_block * 64))
+
+
+def _padded(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """``t``'s rows (a weight's columns) and zero rows up to whole panels of BF16A_WIDTH."""
+    pad = panels * BF16A_WIDTH - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
 def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

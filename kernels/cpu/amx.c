@@ -9,10 +9,10 @@
  * BF16C's 24 columns also run here, their second tile op half empty.
  *
  * Q4A, Q6A and Q8A panels (a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights in a bfloat16 process) hold
- * the blocks instead, 0.75, 1 and 1.125 bytes a weight: the vector units widen each k step's two tiles to bfloat16 just before the tile
- * ops read them, the bits of the dequantized weight's BF16A panels. Where a batch's products stream their weights
- * from DRAM (a few to a hundred rows), fewer bytes read is the saving; the backend times them against BF16A at
- * start-up.
+ * the blocks instead, 0.75, 1 and 1.125 bytes a weight: the vector units widen each k step's two tiles to bfloat16
+ * just before the tile ops read them, the bits of the dequantized weight's BF16A panels. Where a batch's products
+ * stream their weights from DRAM (a few to a hundred rows), fewer bytes read is the saving; the backend times them
+ * against BF16A at start-up.
  *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
  * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
@@ -96,17 +96,24 @@ static inline struct tiles tiles_of(int nr) { /* BF16C and BF16A: a tile's row i
 static const struct tiles WIDENED = {2 * 1024, 1024, 64}; /* a Q4A panel widened: each tile one run of 1 KiB */
 
 
+/* The 16 floats at p, one per column of a tile, spread over a row of widened values: lane j of lo is column j / 2's
+ * (the lanes of columns 0-7, each column's k then k + 1), of hi column 8 + j / 2's. */
+static inline __attribute__((always_inline)) void per_lane(const char *p, __m512 *lo, __m512 *hi) {
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 v = _mm512_loadu_ps(p);
+    *lo = _mm512_permutexvar_ps(lo_idx, v);
+    *hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), v);
+}
+
 /* Tiles t0 .. t1 of a Q4A panel (two per 32 k) widened to bfloat16 in WIDENED's layout at out: each row's 32
  * nibbles (16 columns x a pair of k) as d q + m in fp32 (d q exact, so one rounding: the dequantized weight's
  * bits), rounded to bfloat16, nearest even: the bits of that weight's BF16A panels. */
 static inline __attribute__((always_inline)) void widen_q4a(const char *panel, int t0, int t1, uint16_t *out) {
-    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
+    const __m512i low = _mm512_set1_epi32(15);
     for (int t = t0; t < t1; t++) {
         const char *b = panel + (int64_t)t * HP_Q4A_TILE_BYTES;
-        const __m512 d = _mm512_loadu_ps(b), m = _mm512_loadu_ps(b + 64);
-        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
-        const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
+        __m512 dlo, dhi, mlo, mhi;
+        per_lane(b, &dlo, &dhi), per_lane(b + 64, &mlo, &mhi);
         const char *nib = b + 128;
         uint16_t *o = out + (int64_t)t * 512;
         for (int r = 0; r < 16; r++) {
@@ -124,16 +131,15 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
  * nibbles, then per two rows (pairs of k) 16 bytes: bits 0-1 and 2-3 the high bits of the low and high nibble of
  * the first row's byte, bits 4-5 and 6-7 of the second's. */
 static inline __attribute__((always_inline)) void widen_q6a(const char *panel, int t0, int t1, uint16_t *out) {
-    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
-    const __m512i two = _mm512_set1_epi32(3);
+    const __m512i low = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
+    const __m512 offset = _mm512_set1_ps(-32.0f);
     for (int t = t0; t < t1; t++) {
         const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
         uint16_t *o = out + (int64_t)t * 512;
         for (int half = 0; half < 2; half++) {
-            const __m512 d = _mm512_loadu_ps(b + 64 * half);
-            const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
-            const __m512 mlo = _mm512_mul_ps(dlo, _mm512_set1_ps(-32.0f)), mhi = _mm512_mul_ps(dhi, _mm512_set1_ps(-32.0f));
+            __m512 dlo, dhi;
+            per_lane(b + 64 * half, &dlo, &dhi);
+            const __m512 mlo = _mm512_mul_ps(dlo, offset), mhi = _mm512_mul_ps(dhi, offset);
             for (int r = 8 * half; r < 8 * half + 8; r += 2) {
                 const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(high + 8 * r)));
                 for (int j = 0; j < 2; j++) {
@@ -141,8 +147,8 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
                     const __m512i hj = _mm512_srli_epi32(h, 4 * j);
                     const __m512i qlo = _mm512_or_si512(_mm512_and_si512(v, low),
                                                         _mm512_slli_epi32(_mm512_and_si512(hj, two), 4));
-                    const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(v, 4),
-                                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hj, 2), two), 4));
+                    const __m512i hhi = _mm512_and_si512(_mm512_srli_epi32(hj, 2), two);
+                    const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(hhi, 4));
                     const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qlo), dlo, mlo);
                     const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qhi), dhi, mhi);
                     _mm512_store_si512(o + 32 * (r + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -156,12 +162,10 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
  * d q in fp32 (exact), d that of its column's 32 k. Per pair of k a tile holds 32 bytes: columns 0-7's (each
  * column's k then k + 1), then columns 8-15's. */
 static inline __attribute__((always_inline)) void widen_q8a(const char *panel, int t0, int t1, uint16_t *out) {
-    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
     for (int t = t0; t < t1; t++) {
         const char *b = panel + (int64_t)t * HP_Q8A_TILE_BYTES, *bytes = b + 64;
-        const __m512 d = _mm512_loadu_ps(b);
-        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+        __m512 dlo, dhi;
+        per_lane(b, &dlo, &dhi);
         uint16_t *o = out + (int64_t)t * 512;
         for (int r = 0; r < 16; r++) {
             const __m512i vlo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 32 * r)));
@@ -306,7 +310,8 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 int hp_amx_bf16_available(void) { return 0; }
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K) {
-    (void)x, (void)ldx, (void)packed, (void)nr, (void)widened, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    (void)x, (void)ldx, (void)packed, (void)nr, (void)widened, (void)bias, (void)y, (void)ldy, (void)M, (void)N;
+    (void)K;
     return -1;
 }
 #endif
