@@ -49,8 +49,8 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); on CPU the default is "
                               "sized at start-up for ~0.6 s steps",
     "prefill_tokens_per_decode": "prompt tokens a step may carry per decode in it or request waiting to start, at "
-    "least a block (keeps running streams' inter-token gaps short while prompts arrive); default 2 on a CPU, no "
-    "cap on a GPU; 0: no cap",
+    "least a block, a CPU step's fixed cost (timed at start-up) counting as decodes too (keeps running streams' "
+    "inter-token gaps short while prompts arrive); default 2 on a CPU, no cap on a GPU; 0: no cap",
     "max_model_len": "longest prompt + output (default: the model's)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV pool size: bytes (2GiB, 512MB) or a fraction of free memory (0.8)",

@@ -70,8 +70,9 @@ class EngineConfig:
     model: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # Prompt tokens a step may carry per decode in it or request waiting to start (Scheduler.prefill_budget); None: 2
-    # on a CPU, no cap on a GPU; 0: no cap (a step takes the whole token budget).
+    # Prompt tokens a step may carry per decode in it or request waiting to start, a CPU step's fixed cost counting
+    # as decodes too (Scheduler.prefill_budget); None: 2 on a CPU, no cap on a GPU; 0: no cap (a step takes the
+    # whole token budget).
     prefill_tokens_per_decode: float | None = None
     max_model_len: int | None = None
     block_size: int = 16

@@ -75,6 +75,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_tokens_per_decode = prefill_tokens_per_decode
+        # A step's fixed cost (what a step of one token takes beyond one token's share: streaming the weights, the
+        # per-step overhead) in tokens' worth, counted as decodes by prefill_budget; measured at start-up on a CPU.
+        self.step_fixed_tokens = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -149,13 +152,16 @@ class Scheduler:
     def prefill_budget(self) -> int:
         """Prompt tokens the coming step may compute beside the running requests' decodes.
 
-        With ``prefill_tokens_per_decode`` set, a step that decodes carries at most that many prompt tokens per
-        decode, counting each waiting request it could admit as a decode to be (and at least one block's worth),
-        so each prefill chunk lengthens the gap between two tokens of every running stream by a bounded fraction,
-        and prompts are folded into the decode steps in small pieces (Sarathi-Serve's piggybacking). The waiting
-        count keeps a burst from entering one prompt at a time beside its first few streams: the budget follows
-        the requests the engine holds, not how many of them it has started. A step with nothing to decode takes
-        the whole token budget.
+        With ``prefill_tokens_per_decode`` set (R), a step that decodes carries at most R prompt tokens per
+        decode, counting each waiting request it could admit as a decode to be and the step's fixed cost as
+        ``step_fixed_tokens`` decodes more (and at least one block's worth). A step of d decodes takes about
+        a + b d (a: the fixed cost, b: a token's), so R (a / b + d) prompt tokens lengthen it, the gap between two
+        tokens of every running stream, by at most a factor 1 + R, and prompts are folded into the decode steps in
+        pieces (Sarathi-Serve's piggybacking). Where streaming the weights dominates a small batch's step (a / b of
+        30 tokens and more on a CPU in bf16), the pieces grow to what the step can carry for that bound. The
+        waiting count keeps a burst from entering one prompt at a time beside its first few streams: the budget
+        follows the requests the engine holds, not how many of them it has started. A step with nothing to decode
+        takes the whole token budget.
         """
         if self.prefill_tokens_per_decode is None:
             return self.max_num_batched_tokens
@@ -163,7 +169,8 @@ class Scheduler:
         if num_decodes == 0:
             return self.max_num_batched_tokens
         admittable = max(0, min(len(self.waiting), self.max_num_seqs - len(self.running)))
-        return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * (num_decodes + admittable)))
+        decodes = num_decodes + admittable + self.step_fixed_tokens
+        return max(self.block_manager.block_size, int(self.prefill_tokens_per_decode * decodes))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

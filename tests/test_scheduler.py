@@ -221,6 +221,19 @@ def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
     assert out.num_scheduled_tokens == {"late": 11, "longer": 40}  # no decodes left: the whole budget
 
 
+def test_a_steps_fixed_cost_counts_as_decodes_in_the_prompt_cap():
+    """With a measured fixed cost of f tokens' worth, a step of d decodes carries up to ratio x (d + waiting + f)
+    prompt tokens: the same bound on how much longer the step gets than its decodes alone would take."""
+    sched, bm = make_scheduler(num_blocks=64, budget=64, max_num_seqs=7, prefill_tokens_per_decode=1.5)
+    sched.step_fixed_tokens = 6.5
+    for i in range(2):
+        sched.add_request(make(f"d{i}", 2, max_tokens=30))
+    run_step(sched, bm)
+    sched.add_request(make("late", 40))
+    out, _ = run_step(sched, bm)
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "late": 14}  # int(1.5 x (2 decodes + 1 waiting + 6.5))
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
 def test_prefill_tokens_per_decode_must_not_be_negative(bad: float):
     with pytest.raises(ValueError, match="prefill_tokens_per_decode must be >= 0"):

@@ -3,7 +3,13 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.backends.start_up import MAX_CPU_TOKEN_BUDGET, MIN_CPU_TOKEN_BUDGET, cpu_token_budget, warm_up_bursts
+from engine.backends.start_up import (
+    MAX_CPU_TOKEN_BUDGET,
+    MIN_CPU_TOKEN_BUDGET,
+    cpu_token_budget,
+    fixed_tokens,
+    warm_up_bursts,
+)
 
 
 @pytest.mark.parametrize(("per_token_ms", "budget"),
@@ -12,12 +18,21 @@ def test_budget_fills_the_target_step_time(per_token_ms, budget):
     assert cpu_token_budget(per_token_ms / 1000) == budget
 
 
+@pytest.mark.parametrize(("one_ms", "many_ms", "n", "fixed"),
+                         [(8.25, 72.0, 256, 32.0), (1.0, 32.0, 32, 0.0), (2.0, 1.5, 32, 0.0), (3.0, 3.0, 32, 0.0)])
+def test_a_steps_fixed_cost_from_two_step_times(one_ms, many_ms, n, fixed):
+    """t(n) = a + b n through a 1-token and an n-token step: a / b, never negative (a step that takes no longer for
+    more tokens shows no per-token cost to weigh it in, so 0)."""
+    assert fixed_tokens(one_ms / 1000, many_ms / 1000, n) == pytest.approx(fixed)
+
+
 def test_engine_sizes_its_budget_and_leaves_no_trace(tiny_model):
     llm = LLM(str(tiny_model("llama-gqa-tied")), kv_cache_memory=4 << 20, attention_backend="cpu")
     engine = llm.engine
     budget = engine.max_num_batched_tokens
     assert MIN_CPU_TOKEN_BUDGET <= budget <= MAX_CPU_TOKEN_BUDGET and budget % 16 == 0
     assert engine.scheduler.max_num_batched_tokens == budget
+    assert engine.scheduler.step_fixed_tokens >= 0
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
@@ -31,6 +46,7 @@ def test_an_explicit_budget_or_a_toy_pool_is_kept(tiny_model):
     toy = LLM(folder, kv_cache_memory=4 * 2 * 2 * 2 * 16 * 16 * 4, attention_backend="cpu")
     assert toy.engine.kv_cache.num_blocks == 4
     assert toy.engine.max_num_batched_tokens == 256
+    assert toy.engine.scheduler.step_fixed_tokens == 0  # nor is a fixed cost weighed into the prompt cap
 
 
 def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model):

@@ -42,9 +42,17 @@ def cpu_token_budget(seconds_per_token: float, block_size: int = 16) -> int:
     return max(MIN_CPU_TOKEN_BUDGET, min(MAX_CPU_TOKEN_BUDGET, budget))
 
 
+def fixed_tokens(one: float, many: float, n: int) -> float:
+    """A step's fixed cost in tokens' worth, a / b of t(n) = a + b n, from the seconds a step of one token and one
+    of ``n`` tokens took (0 where the two do not show one)."""
+    per_token = (many - one) / (n - 1)
+    return max(0.0, (one - per_token) / per_token) if per_token > 0 else 0.0
+
+
 def size_cpu_token_budget(engine: EngineCore) -> None:
-    """Time a few prefill steps, then fix the budget so a full step takes about CPU_STEP_TARGET_S. Measured once:
-    from then on the scheduling is deterministic (max_num_batched_tokens fixes it across machines too)."""
+    """Time a few prefill steps, then fix the budget so a full step takes about CPU_STEP_TARGET_S, and tell the
+    scheduler a step's fixed cost (``Scheduler.prefill_budget``). Measured once: from then on the scheduling is
+    deterministic (max_num_batched_tokens and prefill_tokens_per_decode fix it across machines too)."""
     block_size = engine.config.block_size
     n = min(BUDGET_PROBE_TOKENS, engine.max_model_len - 1, (engine.kv_cache.num_blocks - 1) * block_size)
     if n < MIN_CPU_TOKEN_BUDGET // 2:
@@ -54,6 +62,7 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
     # 32-token steps after it took the same time as later ones (default model and an 8B Q4_K_M), and on the 8B it
     # takes 0.26 s where a 32-token step takes 1.5 s.
     engine.serve_made_up_prompts(BUDGET_PROBES, 1, 1)
+    one = min(engine.serve_made_up_prompts(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
     short = engine.serve_made_up_prompts(BUDGET_PROBES + 1, 1, SHORT_PROBE_TOKENS) / SHORT_PROBE_TOKENS
     if short >= SHORT_PROBE_MARGIN * CPU_STEP_TARGET_S / MIN_CPU_TOKEN_BUDGET:
         n, per_token = SHORT_PROBE_TOKENS, short
@@ -62,8 +71,10 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
         per_token = min(timings[1:]) / n
     budget = cpu_token_budget(per_token, block_size)
     engine.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens = budget
-    logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token)",
-                budget, n, per_token * n * 1000, per_token * 1000)
+    engine.scheduler.step_fixed_tokens = fixed = fixed_tokens(one, per_token * n, n)
+    logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token; a 1-token step "
+                "%.1f ms: a step's fixed cost is %.1f tokens' worth)", budget, n, per_token * n * 1000,
+                per_token * 1000, one * 1000, fixed)
 
 
 def warm_up_bursts(engine: EngineCore, smallest: int) -> None:
