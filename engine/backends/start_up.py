@@ -61,20 +61,24 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
     # speed, the others caught it busy with something else. A one-token step pays them as well as a longer one: the
     # 32-token steps after it took the same time as later ones (default model and an 8B Q4_K_M), and on the 8B it
     # takes 0.26 s where a 32-token step takes 1.5 s.
+    # The fixed cost is timed only where the long probes run: where even short steps show the smallest budget (a
+    # large model), a step is far from its fixed cost (the 8B: ~5 tokens' worth) and two more probes would cost
+    # ~0.5 s of its start.
     engine.serve_made_up_prompts(BUDGET_PROBES, 1, 1)
-    one = min(engine.serve_made_up_prompts(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
     short = engine.serve_made_up_prompts(BUDGET_PROBES + 1, 1, SHORT_PROBE_TOKENS) / SHORT_PROBE_TOKENS
+    fixed = 0.0
     if short >= SHORT_PROBE_MARGIN * CPU_STEP_TARGET_S / MIN_CPU_TOKEN_BUDGET:
         n, per_token = SHORT_PROBE_TOKENS, short
     else:
         timings = [engine.serve_made_up_prompts(i, 1, n) for i in range(BUDGET_PROBES)]
         per_token = min(timings[1:]) / n
+        one = min(engine.serve_made_up_prompts(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
+        fixed = fixed_tokens(one, per_token * n, n)
     budget = cpu_token_budget(per_token, block_size)
     engine.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens = budget
-    engine.scheduler.step_fixed_tokens = fixed = fixed_tokens(one, per_token * n, n)
-    logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token; a 1-token step "
-                "%.1f ms: a step's fixed cost is %.1f tokens' worth)", budget, n, per_token * n * 1000,
-                per_token * 1000, one * 1000, fixed)
+    engine.scheduler.step_fixed_tokens = fixed
+    logger.info("token budget %d per step (a %d-token prefill step took %.1f ms: %.2f ms per token); a step's fixed "
+                "cost %.1f tokens' worth", budget, n, per_token * n * 1000, per_token * 1000, fixed)
 
 
 def warm_up_bursts(engine: EngineCore, smallest: int) -> None:
