@@ -83,6 +83,42 @@ def test_block_panels_compute_the_bits_of_fp32_panels(grid, m, k, n):
     assert torch.allclose(cpu.linear(x, compact, n).double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("grid", ["fp32", "q4", "q8", "q4_k"])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 120), (64, 20)])  # pairs of whole panels, with one or none left
+def test_a_rows_products_do_not_depend_on_its_batch(grid, k, n):
+    """Rows alone (1-4 rows stream the panels in registers) and inside batches of 9 and 90 (unpacked slices, whole
+    panels two at a time on 16-lane FMAs where the CPU has them) get the same bits: greedy tokens must not depend
+    on what else is in the batch."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    packed = cpu.pack_weight(w) if grid == "fp32" else cpu.pack_weight_compact(GRIDS[grid][0](w))
+    x, bias = torch.randn(90, k, generator=gen), torch.randn(n, generator=gen)
+    for b in (None, bias):
+        alone = torch.cat([cpu.linear(x[i : i + 1], packed, n, b) for i in range(9)])
+        assert torch.equal(bits(cpu.linear(x[:9], packed, n, b)), bits(alone))
+        assert torch.equal(bits(cpu.linear(x, packed, n, b)[:9]), bits(alone))
+
+
+@pytest.mark.skipif(len(cpu.f32_bodies()) < 2, reason="this build has one fp32 body")
+@pytest.mark.parametrize("grid", ["fp32", "q4", "q8", "q4_k"])
+@pytest.mark.parametrize("m,k,n", [(5, 576, 960), (90, 1536, 120), (300, 64, 20), (17, 576, 49)])
+def test_the_fp32_bodies_give_the_same_bits(grid, m, k, n):
+    """Each panel on its own and whole panels two at a time (the backend keeps whichever times faster): one FMA
+    chain a column either way, so a switch between them changes no token."""
+    gen = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    packed = cpu.pack_weight(w) if grid == "fp32" else cpu.pack_weight_compact(GRIDS[grid][0](w))
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    results = []
+    for body in cpu.f32_bodies():
+        before = cpu.set_f32_body(body)
+        try:
+            results.append([bits(cpu.linear(x, packed, n, b)) for b in (None, bias)])
+        finally:
+            cpu.set_f32_body(before)
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other, strict=True))
+
+
 def test_q4_blocks_give_back_the_grid_exactly():
     w = to_q4_grid(torch.randn(7, 64))
     d, m, q = blocks.q4_blocks(w)

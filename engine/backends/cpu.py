@@ -56,6 +56,8 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 # (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
 # faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
+# Rows at which the fp32 bodies are timed: both run 1-4 rows alike (in registers), so batches of decodes and a chunk.
+F32_BODY_ROWS = (16, 64)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class CpuBackend(TorchBackend):
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
         self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
+        self.f32_body: str | None = None  # the body of the fp32 products from 5 rows on where there is a choice (timed)
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
 
     @classmethod
@@ -197,6 +200,10 @@ class CpuBackend(TorchBackend):
         if self.int8_activations:
             self.int8_dot = _fastest_dot(cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot,
                                          first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features)
+        elif not bf16 and not library and len(cpu_kernels.f32_bodies()) > 1:
+            self.f32_body = _fastest_dot(cpu_kernels.f32_bodies(), cpu_kernels.set_f32_body,
+                                         first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features,
+                                         F32_BODY_ROWS, "fp32 bodies")
         if bf16:  # the C kernels read these in fp32
             for name, param in model.named_parameters():
                 if name.endswith("bias") or "norm" in name:
@@ -286,6 +293,7 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
+        products += f" ({self.f32_body} fp32)" if self.f32_body and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
         blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
@@ -297,17 +305,17 @@ def _seconds(kernel: PackedLinear | SplitLinear, in_features: int, rows: tuple[i
 
 
 def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLinear | SplitLinear, in_features: int,
-                 rows: tuple[int, ...] = (1, 16)) -> str:
+                 rows: tuple[int, ...] = (1, 16), what: str = "dot products") -> str:
     """Time each body a product can run on (``dots``, made current by ``use``: the integer dot products VNNI and
-    AVX2's maddubs, which give the same bits; or avx512_bf16's dot product and AMX tiles) on a projection at
-    ``rows``, and keep the fastest in the sum, for every product of the process: measured here rather than assumed
-    from the CPU's flags."""
+    AVX2's maddubs, which give the same bits; avx512_bf16's dot product and AMX tiles; or the fp32 products' panels
+    one or two at a time, the same bits) on a projection at ``rows``, and keep the fastest in the sum, for every
+    product of the process: measured here rather than assumed from the CPU's flags."""
     if len(dots) > 1:
         seconds = {}
         for dot in dots:
             use(dot)
             seconds[dot] = _seconds(kernel, in_features, rows)
-        logger.info("dot products, ms at %s rows: %s", " + ".join(map(str, rows)),
+        logger.info("%s, ms at %s rows: %s", what, " + ".join(map(str, rows)),
                     ", ".join(f"{dot} {s * 1000:.2f}" for dot, s in seconds.items()))
         dots = sorted(dots, key=seconds.get)
     use(dots[0])

@@ -94,9 +94,12 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_bf16_dots": [],
     "hp_set_bf16_dot": [_c_int],
+    "hp_f32_bodies": [],
+    "hp_set_f32_body": [_c_int],
 }
 _RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
-            "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int,
+            "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
+            "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
             "hp_pack_gguf": _c_i64, "hp_pack_gguf_widened": _c_i64}
 
@@ -429,6 +432,26 @@ def bf16_body(name: str) -> Iterator[None]:
         yield
     finally:
         set_bf16_dot(before)
+
+
+F32_BODIES = {"panels": 0, "pairs": 1}  # enum hp_f32_body (ops.c): the bodies of fp32 products from 5 rows on
+
+
+def f32_bodies() -> list[str]:
+    """The bodies this build has for fp32 products of 5 rows and more, all with the same bits: each 24-column panel
+    on its own (one 16-lane and one 8-lane FMA a row and k) and, where built for AVX-512, whole panels two at a
+    time (three 16-lane FMAs)."""
+    found = _library().hp_f32_bodies()
+    return [name for name, code in F32_BODIES.items() if found & 1 << code]
+
+
+def set_f32_body(name: str) -> str:
+    """Which of ``f32_bodies()`` computes fp32 products from now on, in every thread (the backend times them at
+    start). Returns the body before."""
+    before = _library().hp_set_f32_body(F32_BODIES.get(name, -1))
+    if before < 0:
+        raise ValueError(f"this build has no {name!r} fp32 body (it has {f32_bodies()})")
+    return next(n for n, code in F32_BODIES.items() if code == before)
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:

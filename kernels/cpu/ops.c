@@ -512,6 +512,68 @@ static inline __attribute__((always_inline)) void micro_kernel_f32w(int rows, co
         }
     }
 }
+
+/* micro_kernel_f32w over two whole panels side by side (48 columns: panel s0's 24, then s1's), 8 rows: three 16-lane
+ * vectors a row, the middle one s0's last 8 columns and s1's first 8. Each output is the same FMA chain over k in
+ * order, so the bits are micro_kernel_f32w's. Why: a 24-column panel is one 16-lane and one 8-lane FMA a row and
+ * k, so at most 3/4 of the FMA units' lanes did work; here every FMA is 16 lanes wide (24 accumulators + 3 weight
+ * vectors + a broadcast: 28 of 32 registers). */
+#define MRW2 8
+static inline __attribute__((always_inline)) void micro_kernel_f32w2(int rows, const float *x, int64_t ldx,
+                                                                     const float *s0, const float *s1, int kc,
+                                                                     float *y, int64_t ldy, const float *bias,
+                                                                     int first) {
+    v16f acc[3][MRW2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MRW2; i++) acc[0][i] = acc[1][i] = acc[2][i] = (v16f){0};
+    for (int k = 0; k < kc; k++) {
+        const v16f w0 = *(const v16f *)(s0 + (int64_t)k * NR), w2 = *(const v16f *)(s1 + (int64_t)k * NR + 8);
+        const __m512d joined = _mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)load8(s0 + (int64_t)k * NR + 16)),
+                                                  (__m256d)load8(s1 + (int64_t)k * NR), 1);
+        const v16f w1 = (v16f)joined;
+#pragma GCC unroll 8
+        for (int i = 0; i < MRW2; i++) {
+            if (i < rows) {
+                const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+                acc[0][i] = (v16f)_mm512_fmadd_ps(a, (__m512)w0, (__m512)acc[0][i]);
+                acc[1][i] = (v16f)_mm512_fmadd_ps(a, (__m512)w1, (__m512)acc[1][i]);
+                acc[2][i] = (v16f)_mm512_fmadd_ps(a, (__m512)w2, (__m512)acc[2][i]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MRW2; i++) {
+        if (i >= rows) break;
+        float *yi = y + i * ldy;
+        for (int v = 0; v < 3; v++) {
+            if (!bias) { /* as micro_kernel_f32w stores a whole panel */
+                *(v16f *)(yi + 16 * v) = first ? acc[v][i] : *(const v16f *)(yi + 16 * v) + acc[v][i];
+            } else {
+                for (int j = 0; j < 16; j++)
+                    yi[16 * v + j] = (first ? 0.0f : yi[16 * v + j]) + acc[v][i][j] + bias[16 * v + j];
+            }
+        }
+    }
+}
+
+static __attribute__((noinline)) void panel_rows_f32w2(int m0, int m1, const float *x, int64_t ldx, const float *s0,
+                                                       const float *s1, int kc, float *y, int64_t ldy,
+                                                       const float *b, int first) {
+    for (int m = m0; m < m1; m += MRW2) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (m1 - m < MRW2 ? m1 - m : MRW2) {
+#define ROWS(r) \
+    case r: micro_kernel_f32w2(r, xm, ldx, s0, s1, kc, ym, ldy, b, first); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7)
+#undef ROWS
+        default: micro_kernel_f32w2(MRW2, xm, ldx, s0, s1, kc, ym, ldy, b, first); break;
+        }
+    }
+}
+#define HP_PANEL_PAIRS 1
+#else
+#define HP_PANEL_PAIRS 0
 #endif
 
 /* panel_rows over an fp32 slice, compiled on its own. NOTE: inlined into the Q4 product's loop beside the Q4
@@ -560,6 +622,35 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
     }
 }
 
+/* Panels p and p + 1, both whole, for rows m0..m1 (more than MR): panel_product's compute-bound case with both
+ * slices in fp32 (unpacked into this thread's buffer where compact) and every FMA 16 lanes wide
+ * (micro_kernel_f32w2). */
+static inline __attribute__((always_inline)) void panel_pair_product(int p, int m0, int m1, const float *x,
+                                                                     int64_t ldx, const void *packed,
+                                                                     const float *bias, float *y, int64_t ldy, int K,
+                                                                     int format) {
+#if HP_PANEL_PAIRS
+    static __thread float *unpacked = 0; /* 2 x KC x NR floats (147 KB): a thread's stack may not hold them */
+    if (!unpacked && format != F32_PANELS) unpacked = (float *)aligned_alloc(64, sizeof(float) * 2 * KC * NR);
+    const int n0 = p * NR;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const void *a = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
+        const void *b = (const char *)packed + panel_bytes((int64_t)(p + 1) * K + k0, format);
+        const int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + KC >= K;
+        if (format != F32_PANELS) {
+            unpack(a, kc, unpacked, format);
+            unpack(b, kc, unpacked + KC * NR, format);
+            a = unpacked, b = unpacked + KC * NR;
+        }
+        panel_rows_f32w2(m0, m1, x + k0, ldx, (const float *)a, (const float *)b, kc, y + n0, ldy,
+                         bias && last ? bias + n0 : 0, first);
+    }
+#else
+    (void)p, (void)m0, (void)m1, (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)K;
+    (void)format;
+#endif
+}
+
 /* Rows per block: a block's k slices stay in L2 while the panels pass over them. */
 #define ROW_BLOCK ((int)((256 * 1024) / ((int64_t)KC * 4)) / MR * MR)
 
@@ -574,6 +665,26 @@ static inline int panels_per_task(int M, int N) {
     return M > MR ? 1 : (panels + tasks - 1) / tasks;
 }
 
+/* The bodies of the fp32 products from 5 rows on (enum hp_f32_body): each panel on its own (micro_kernel_f32w), or
+ * whole panels two at a time (micro_kernel_f32w2), the same bits. Pairs by default where built; the backend times
+ * both at start-up and keeps the faster. */
+enum hp_f32_body { HP_F32_PANELS = 0, HP_F32_PAIRS = 1 };
+static int f32_body = HP_PANEL_PAIRS ? HP_F32_PAIRS : HP_F32_PANELS;
+int hp_f32_bodies(void) { return 1 << HP_F32_PANELS | (HP_PANEL_PAIRS ? 1 << HP_F32_PAIRS : 0); }
+/* Makes ``body`` the body and returns the one before it, or -1 (nothing changed) where this build lacks it. */
+int hp_set_f32_body(int body) {
+    if (body < 0 || body > HP_F32_PAIRS || !(hp_f32_bodies() & 1 << body)) return -1;
+    const int before = f32_body;
+    f32_body = body;
+    return before;
+}
+
+/* Pairs of whole panels a product's loop takes as one task each (panel_pair_product): all of them where its rows
+ * are compute-bound (more than MR) and the body is pairs, else none. The int8 panels keep their own kernel. */
+static inline int panel_pairs(int M, int N, int format) {
+    return f32_body == HP_F32_PAIRS && M > MR && format != I8_PANELS ? N / NR / 2 : 0;
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
  * Threads split the panels. Rows go in blocks that stay in L2; k goes in blocks of KC so the panel slice (KC x NR,
  * at most 72 KB) stays in L2 while every row of the block passes over it. A decode batch thus streams the weights
@@ -586,11 +697,15 @@ static inline int panels_per_task(int M, int N) {
  * NOTE: each weight format has its own parallel loop (LINEAR_LOOP, written once per format), so OpenMP outlines one
  * body per format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 #define LINEAR_LOOP(bias, scales, format)                                                                             \
-    const int chunk = panels_per_task(M, N);                                                                          \
+    const int chunk = panels_per_task(M, N), pairs = panel_pairs(M, N, format), panels = (N + NR - 1) / NR;         \
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
-        _Pragma("omp parallel for schedule(dynamic, chunk)") for (int p = 0; p < (N + NR - 1) / NR; p++)              \
-            panel_product(p, m0, m1, x, ldx, packed, bias, scales, y, ldy, N, K, format);                             \
+        _Pragma("omp parallel for schedule(dynamic, chunk)") for (int t = 0; t < panels - pairs; t++) {               \
+            if (t < pairs)                                                                                            \
+                panel_pair_product(2 * t, m0, m1, x, ldx, packed, bias, y, ldy, K, format);                           \
+            else                                                                                                      \
+                panel_product(t + pairs, m0, m1, x, ldx, packed, bias, scales, y, ldy, N, K, format);                 \
+        }                                                                                                             \
     }
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
