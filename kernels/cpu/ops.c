@@ -557,20 +557,31 @@ static inline __attribute__((always_inline)) void micro_kernel_f32w2(int rows, c
     }
 }
 
+/* Rows m0..m1 of a product (x, ldx, y, ldy in scope) in blocks of 8, each block one call KERNEL(r, xm, ym) with its
+ * row count r a constant, so each count compiles to its own unrolled kernel. */
+#define EIGHT_ROW_BLOCKS(KERNEL)                                                                                      \
+    for (int m = m0; m < m1; m += 8) {                                                                                \
+        const float *xm = x + m * ldx;                                                                                \
+        float *ym = y + m * ldy;                                                                                      \
+        switch (m1 - m < 8 ? m1 - m : 8) {                                                                            \
+        case 1: KERNEL(1, xm, ym); break;                                                                             \
+        case 2: KERNEL(2, xm, ym); break;                                                                             \
+        case 3: KERNEL(3, xm, ym); break;                                                                             \
+        case 4: KERNEL(4, xm, ym); break;                                                                             \
+        case 5: KERNEL(5, xm, ym); break;                                                                             \
+        case 6: KERNEL(6, xm, ym); break;                                                                             \
+        case 7: KERNEL(7, xm, ym); break;                                                                             \
+        default: KERNEL(8, xm, ym); break;                                                                            \
+        }                                                                                                             \
+    }
+_Static_assert(MRW == 8 && MRW2 == 8, "EIGHT_ROW_BLOCKS runs both wide fp32 micro-kernels");
+
 static __attribute__((noinline)) void panel_rows_f32w2(int m0, int m1, const float *x, int64_t ldx, const float *s0,
                                                        const float *s1, int kc, float *y, int64_t ldy,
                                                        const float *b, int first) {
-    for (int m = m0; m < m1; m += MRW2) {
-        const float *xm = x + m * ldx;
-        float *ym = y + m * ldy;
-        switch (m1 - m < MRW2 ? m1 - m : MRW2) {
-#define ROWS(r) \
-    case r: micro_kernel_f32w2(r, xm, ldx, s0, s1, kc, ym, ldy, b, first); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7)
-#undef ROWS
-        default: micro_kernel_f32w2(MRW2, xm, ldx, s0, s1, kc, ym, ldy, b, first); break;
-        }
-    }
+#define PAIR(r, xm, ym) micro_kernel_f32w2(r, xm, ldx, s0, s1, kc, ym, ldy, b, first)
+    EIGHT_ROW_BLOCKS(PAIR)
+#undef PAIR
 }
 #define HP_PANEL_PAIRS 1
 #else
@@ -583,17 +594,9 @@ static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float
                                                      int kc, float *y, int64_t ldy, int cols, const float *b,
                                                      int first) {
 #if defined(__AVX512F__) && NV == 3
-    for (int m = m0; m < m1; m += MRW) {
-        const float *xm = x + m * ldx;
-        float *ym = y + m * ldy;
-        switch (m1 - m < MRW ? m1 - m : MRW) {
-#define ROWS(r) \
-    case r: micro_kernel_f32w(r, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7)
-#undef ROWS
-        default: micro_kernel_f32w(MRW, xm, ldx, panel, kc, ym, ldy, cols, b, first); break;
-        }
-    }
+#define SINGLE(r, xm, ym) micro_kernel_f32w(r, xm, ldx, panel, kc, ym, ldy, cols, b, first)
+    EIGHT_ROW_BLOCKS(SINGLE)
+#undef SINGLE
 #else
     panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
 #endif
