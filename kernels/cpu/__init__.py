@@ -19,7 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -408,20 +408,31 @@ def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
 BF16_DOTS = {"fma": 0, "dpbf16": 1, "amx": 2}  # enum hp_bf16_dot (ops.h): the bodies that compute BF16C panels
 
 
+def _bodies(found: int, codes: dict[str, int]) -> list[str]:
+    """The names of ``codes`` whose bit is set in ``found``, the library's mask of the bodies it has."""
+    return [name for name, code in codes.items() if found & 1 << code]
+
+
+def _set_body(set_code: Callable[[int], int], codes: dict[str, int], name: str, what: str,
+              available: Callable[[], list[str]]) -> str:
+    """``name``'s code through the library's setter ``set_code`` (which answers the code before, or -1 where the
+    build lacks it); the name of the body before."""
+    before = set_code(codes.get(name, -1))
+    if before < 0:
+        raise ValueError(f"this build has no {name!r} {what} (it has {available()})")
+    return next(n for n, code in codes.items() if code == before)
+
+
 def bf16_dots() -> list[str]:
     """The bodies this build and CPU can compute BF16C panels with: the portable FMAs always; avx512_bf16's dot
     product (the same bits) and AMX tiles (their own bits) where present."""
-    found = _library().hp_bf16_dots()
-    return [name for name, code in BF16_DOTS.items() if found & 1 << code]
+    return _bodies(_library().hp_bf16_dots(), BF16_DOTS)
 
 
 def set_bf16_dot(name: str) -> str:
     """Which of ``bf16_dots()`` computes BF16C panels from now on, in every thread (the backend times them at
     start; one body for all products, so a row's bits do not depend on the batch). Returns the body before."""
-    before = _library().hp_set_bf16_dot(BF16_DOTS.get(name, -1))
-    if before < 0:
-        raise ValueError(f"this build has no {name!r} bfloat16 body (it has {bf16_dots()})")
-    return next(n for n, code in BF16_DOTS.items() if code == before)
+    return _set_body(_library().hp_set_bf16_dot, BF16_DOTS, name, "bfloat16 body", bf16_dots)
 
 
 @contextmanager
@@ -441,17 +452,13 @@ def f32_bodies() -> list[str]:
     """The bodies this build has for fp32 products of 5 rows and more, all with the same bits: each 24-column panel
     on its own (one 16-lane and one 8-lane FMA a row and k) and, where built for AVX-512, whole panels two at a
     time (three 16-lane FMAs)."""
-    found = _library().hp_f32_bodies()
-    return [name for name, code in F32_BODIES.items() if found & 1 << code]
+    return _bodies(_library().hp_f32_bodies(), F32_BODIES)
 
 
 def set_f32_body(name: str) -> str:
     """Which of ``f32_bodies()`` computes fp32 products from now on, in every thread (the backend times them at
     start). Returns the body before."""
-    before = _library().hp_set_f32_body(F32_BODIES.get(name, -1))
-    if before < 0:
-        raise ValueError(f"this build has no {name!r} fp32 body (it has {f32_bodies()})")
-    return next(n for n, code in F32_BODIES.items() if code == before)
+    return _set_body(_library().hp_set_f32_body, F32_BODIES, name, "fp32 body", f32_bodies)
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
