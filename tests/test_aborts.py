@@ -1,21 +1,26 @@
 """Thousands of aborts through the real engine core, in every state a request can be in, and nothing leaks.
 
 A tiny random-weight model, a pool small enough to preempt and a step budget small enough to chunk prompts: requests
-(greedy, sampled, with prompt logprobs, with grammars compiling on the compile thread, repeated prompts sharing
-cached blocks) arrive at random, and at random moments random ids are aborted: waiting, compiling, mid-prefill,
-decoding, preempted, just finished, or never known. After every step the block manager's integrity holds; at the
-end the pool is whole and no request is left anywhere.
+(greedy, sampled, with prompt logprobs, with grammars compiling, repeated prompts sharing cached blocks) arrive at
+random, and at random moments random ids are aborted: waiting, compiling, mid-prefill, decoding, preempted, just
+finished, or never known. After every step the block manager's integrity holds; at the end the pool is whole and no
+request is left anywhere.
+
+The run is the same on every machine: a compile ends after a number of steps the test draws, not when the compile
+thread gets to it (with real threads how many aborts land while compiling depended on the machine's speed).
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from concurrent import futures
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import Grammar, GrammarCompiler
 
 NUM_REQUESTS = 3000
 
@@ -34,6 +39,33 @@ def state_of(engine: EngineCore, request_id: str, finished: set[str]) -> str:
     if request.num_computed_tokens < request.num_prompt_tokens:
         return "mid-prefill"  # admitted, its prompt computed in part (chunks, or a cached prefix)
     return "decoding"
+
+
+class StepCountedCompiles:
+    """Stands in for ``GrammarCompiler.submit``: each compile's future stays pending for a drawn number of steps
+    (0 to 3), then gets the real grammar, unless its request was aborted (its future cancelled) in the meantime."""
+
+    def __init__(self, compiler: GrammarCompiler, rng: random.Random) -> None:
+        self.compiler = compiler
+        self.rng = rng
+        self.pending: list[tuple[int, StructuredOutputsParams, futures.Future[Grammar]]] = []
+
+    def submit(self, params: StructuredOutputsParams) -> futures.Future[Grammar]:
+        future: futures.Future[Grammar] = futures.Future()
+        self.pending.append((self.rng.randint(0, 3), params, future))
+        return future
+
+    def step(self) -> None:
+        """One engine step has gone by: end the compiles that are due."""
+        still = []
+        for steps_left, params, future in self.pending:
+            if future.cancelled():
+                continue
+            if steps_left == 0:
+                future.set_result(self.compiler.grammar(params))
+            else:
+                still.append((steps_left - 1, params, future))
+        self.pending = still
 
 
 def random_params(rng: random.Random) -> SamplingParams:
@@ -57,6 +89,8 @@ def test_thousands_of_aborts_in_every_state_leave_the_pool_whole(tiny_model):
                                      prefill_tokens_per_decode=2.0))
     bm = engine.block_manager
     rng = random.Random(31)
+    compiles = StepCountedCompiles(engine.grammars, random.Random(32))
+    engine.grammars = compiles
     prefixes = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 40))] for _ in range(4)]
     finished: set[str] = set()
     aborted: set[str] = set()
@@ -80,6 +114,7 @@ def test_thousands_of_aborts_in_every_state_leave_the_pool_whole(tiny_model):
                     aborted.add(request_id)
                 engine.abort_requests([request_id])
                 bm.check_integrity()
+        compiles.step()
         for output in engine.step():
             assert output.request_id not in aborted, f"an output for {output.request_id} after its abort"
             if output.finished:
