@@ -1510,6 +1510,10 @@ static inline v8f kv8(const void *base, int64_t i, int kv_format) {
 static inline v16f pair8(v8f lo, v8f hi) { /* [lo | hi] */
     return (v16f)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)lo), (__m256d)hi, 1);
 }
+static inline v16f splat16(float x) { return (v16f)_mm512_set1_ps(x); }
+static inline v16f q8x2(const float *q) { /* [q 0..7 | q 0..7] */
+    return (v16f)_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)q));
+}
 static inline v8f low8(v16f v) { return (v8f)_mm512_castps512_ps256((__m512)v); }
 static inline v8f high8(v16f v) { return (v8f)_mm512_extractf64x4_pd((__m512d)v, 1); }
 
@@ -1569,6 +1573,21 @@ static inline float dot_kv(const float *q, const void *k, int n, int kv_format) 
 #define ATT_GT 1 /* 16 registers: one head at a time */
 #endif
 
+/* acc[g][i] = the lane sums of query head g against the K vectors KV (of i < N, dims j .. j + 7), in VEC registers;
+ * Q loads dims j .. j + 7 of a query head into one. */
+#define SCORE_SUMS(VEC, N, acc, Q, KV)                                                                             \
+    do {                                                                                                           \
+        _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) for (int i = 0; i < (N); i++) acc[g][i] = (VEC){0}; \
+        for (int j = 0; j < D; j += 8) {                                                                           \
+            VEC qv[ATT_GT];                                                                                        \
+            _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G) qv[g] = Q(qg + g * D + j);         \
+            for (int i = 0; i < (N); i++) {                                                                        \
+                const VEC kv = KV;                                                                                 \
+                _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G) acc[g][i] += qv[g] * kv;       \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
 /* Scores of positions p .. p+7 (head rows k, k + row, ... bytes) for G <= ATT_GT query heads qg (D apart): each K
  * vector is loaded once for all G heads. Per (head, position) the sum runs over the same 8-dim chunks and lane tree
  * as a single head's, so the bits do not depend on the tiling; an int8 row's scale multiplies its sum. With
@@ -1582,40 +1601,12 @@ static inline __attribute__((always_inline)) void score_tile(const int D, int G,
     v8f sums[ATT_GT][8];
 #ifdef __AVX512F__
     v16f acc[ATT_GT][4];
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        for (int i = 0; i < 4; i++) acc[g][i] = (v16f){0};
-    for (int j = 0; j < D; j += 8) {
-        v16f qv[ATT_GT];
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G) qv[g] = (v16f)_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(qg + g * D + j)));
-        for (int i = 0; i < 4; i++) {
-            const v16f kv = kv8x2(k + 2 * i * row, k + (2 * i + 1) * row, j, kv_format);
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) acc[g][i] += qv[g] * kv;
-        }
-    }
+    SCORE_SUMS(v16f, 4, acc, q8x2, kv8x2(k + 2 * i * row, k + (2 * i + 1) * row, j, kv_format));
 #pragma GCC unroll 3
     for (int g = 0; g < ATT_GT; g++)
         for (int i = 0; i < 4; i++) sums[g][2 * i] = low8(acc[g][i]), sums[g][2 * i + 1] = high8(acc[g][i]);
 #else
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        for (int i = 0; i < 8; i++) sums[g][i] = (v8f){0};
-    for (int j = 0; j < D; j += 8) {
-        v8f qv[ATT_GT];
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G) qv[g] = load8(qg + g * D + j);
-        for (int i = 0; i < 8; i++) {
-            const v8f kv = kv8(k + i * row, j, kv_format);
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) sums[g][i] += qv[g] * kv;
-        }
-    }
+    SCORE_SUMS(v8f, 8, sums, load8, kv8(k + i * row, j, kv_format));
 #endif
     v8f scales = splat8(scale);
     if (kv_format == HP_KV_I8)
@@ -1624,6 +1615,27 @@ static inline __attribute__((always_inline)) void score_tile(const int D, int G,
     for (int g = 0; g < ATT_GT; g++)
         if (g < G) store8(sg + g * split, sum_lanes8(sums[g]) * scales);
 }
+#undef SCORE_SUMS
+
+/* The body of value_tile in VEC registers of LANES floats, KV widening a row's values into one. */
+#define VALUE_TILE(VEC, LANES, KV, SPLAT)                                                                          \
+    do {                                                                                                           \
+        const int nv = DV * 8 / (LANES);                                                                           \
+        VEC acc[ATT_GT][8];                                                                                        \
+        _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G) for (int j = 0; j < nv; j++)           \
+            acc[g][j] = *(const VEC *)(o + g * o_stride + (LANES) * j);                                            \
+        for (int p = 0; p < n; p++) {                                                                              \
+            VEC wv[ATT_GT];                                                                                        \
+            _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G)                                    \
+                wv[g] = SPLAT(weight_of(sg[g * split + p], v + p * row, D, kv_format));                            \
+            for (int j = 0; j < nv; j++) {                                                                         \
+                const VEC vv = KV(v + p * row, d0 + (LANES) * j, kv_format);                                       \
+                _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G) acc[g][j] += wv[g] * vv;       \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 3") for (int g = 0; g < ATT_GT; g++) if (g < G) for (int j = 0; j < nv; j++)           \
+            *(VEC *)(o + g * o_stride + (LANES) * j) = acc[g][j];                                                  \
+    } while (0)
 
 /* o[g] (+)= sum over positions p0..end of s[g][p] v[p], for G <= ATT_GT query heads sharing the KV head of v (its
  * head rows v, v + row, ... bytes, D values each), the dims d0 .. d0 + 8 DV of each: each V vector is loaded once for
@@ -1634,52 +1646,13 @@ static inline __attribute__((always_inline)) void value_tile(const int D, const 
                                                              int64_t o_stride, const int kv_format) {
 #ifdef __AVX512F__
     if (DV % 2 == 0) {
-        v16f acc[ATT_GT][4];
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G)
-                for (int j = 0; j < DV / 2; j++) acc[g][j] = *(const v16f *)(o + g * o_stride + 16 * j);
-        for (int p = 0; p < n; p++) {
-            v16f wv[ATT_GT];
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) wv[g] = (v16f)_mm512_set1_ps(weight_of(sg[g * split + p], v + p * row, D, kv_format));
-            for (int j = 0; j < DV / 2; j++) {
-                const v16f vv = kv16(v + p * row, d0 + 16 * j, kv_format);
-#pragma GCC unroll 3
-                for (int g = 0; g < ATT_GT; g++)
-                    if (g < G) acc[g][j] += wv[g] * vv;
-            }
-        }
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G)
-                for (int j = 0; j < DV / 2; j++) *(v16f *)(o + g * o_stride + 16 * j) = acc[g][j];
+        VALUE_TILE(v16f, 16, kv16, splat16);
         return;
     }
 #endif
-    v8f acc[ATT_GT][8];
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        if (g < G)
-            for (int j = 0; j < DV; j++) acc[g][j] = load8(o + g * o_stride + 8 * j);
-    for (int p = 0; p < n; p++) {
-        v8f wv[ATT_GT];
-#pragma GCC unroll 3
-        for (int g = 0; g < ATT_GT; g++)
-            if (g < G) wv[g] = splat8(weight_of(sg[g * split + p], v + p * row, D, kv_format));
-        for (int j = 0; j < DV; j++) {
-            const v8f vv = kv8(v + p * row, d0 + 8 * j, kv_format);
-#pragma GCC unroll 3
-            for (int g = 0; g < ATT_GT; g++)
-                if (g < G) acc[g][j] += wv[g] * vv;
-        }
-    }
-#pragma GCC unroll 3
-    for (int g = 0; g < ATT_GT; g++)
-        if (g < G)
-            for (int j = 0; j < DV; j++) store8(o + g * o_stride + 8 * j, acc[g][j]);
+    VALUE_TILE(v8f, 8, kv8, splat8);
 }
+#undef VALUE_TILE
 
 /* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
  * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V.
