@@ -1534,8 +1534,10 @@ static inline v16f kv8x2(const char *a, const char *b, int64_t i, int kv_format)
 /* Sixteen consecutive K/V values from element i of a head's row: kv8(base, i) and kv8(base, i + 8), one register. */
 static inline v16f kv16(const void *base, int64_t i, int kv_format) {
     if (kv_format == HP_KV_F32) return *(const v16f *)((const float *)base + i);
-    if (kv_format == HP_KV_I8)
-        return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
+    if (kv_format == HP_KV_I8) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)((const int8_t *)base + i));
+        return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+    }
     return (v16f)_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16);
 }
