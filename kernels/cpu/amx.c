@@ -33,6 +33,14 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component the kernel enables only on request */
 #define XFEATURE_XTILEDATA 18      /* the tiles' data */
 #define TILE_K 32                  /* bfloat16 values of k a tile op sums */
+#ifndef HP_AMX_AHEAD
+/* How many k steps ahead the widening's blocks are prefetched. NOTE: the hardware prefetcher did not keep ahead of
+ * the widening (its first load of each tile took ~10% of the kernel's samples in a 64-client step): 4 steps ahead
+ * took 5-14% off a SmolLM2 step's Q4A products at 1-110 rows, 2 about as much, 8 less (Xeon with AMX, python -m
+ * loadtest.lab.kernel_ab --format q4a). BF16A panels, which the tile loads read straight from DRAM, gained nothing
+ * from the same prefetch (within +-5%), so they go without. */
+#define HP_AMX_AHEAD 4
+#endif
 
 typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
 
@@ -197,7 +205,11 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
     }
     const int lda = K * 2;
     const uint16_t *a1 = a0 + 16 * (int64_t)K;
+    const int64_t blocks_step = widen.src ? 2 * hp_widened_tile_bytes(widen.format) : 0; /* a k step's two tiles */
     for (int k = 0; k < K; k += TILE_K) {
+        if (widen.src) /* the blocks HP_AMX_AHEAD k steps on, into L1 */
+            for (int64_t i = 0; i < blocks_step; i += 64)
+                __builtin_prefetch(widen.src + (k / TILE_K + HP_AMX_AHEAD) * blocks_step + i, 0, 3);
         if (widen.src && widen.format == HP_Q6A)
             widen_q6a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         else if (widen.src && widen.format == HP_Q8A)
