@@ -33,6 +33,13 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component the kernel enables only on request */
 #define XFEATURE_XTILEDATA 18      /* the tiles' data */
 #define TILE_K 32                  /* bfloat16 values of k a tile op sums */
+#ifndef HP_AMX_PAD
+/* bfloat16 values past K in each row of the rounded activations, so that a tile's 16 rows do not all fall in the
+ * same few L1 sets (a row of K = 1536 is 3 KiB: 16 rows in 4 sets). NOTE: 32 (a line) took 1-4% off a SmolLM2
+ * step's Q4A and BF16A products at 16-110 rows, 64 less (python -m loadtest.lab.kernel_ab --format q4a,amx). */
+#define HP_AMX_PAD 32
+#endif
+#define LDA(K) ((K) + HP_AMX_PAD) /* the row stride of the rounded activations, in values */
 #ifndef HP_AMX_AHEAD
 /* How many k steps ahead the widening's blocks are prefetched. NOTE: the hardware prefetcher did not keep ahead of
  * the widening (its first load of each tile took ~10% of the kernel's samples in a 64-client step): 4 steps ahead
@@ -71,10 +78,10 @@ int hp_amx_bf16_available(void) {
 }
 
 /* Rows [r0, r1) of x rounded to bfloat16 (nearest even; NaN to a quiet NaN, as pack_rows_bf16 in ops.c) into a,
- * row-major [rows, K]; 16 values a vector. */
+ * row-major [rows, K] with rows LDA(K) apart; 16 values a vector. */
 static void round_rows(const float *x, int64_t ldx, uint16_t *a, int r0, int r1, int M, int K) {
     for (int m = r0; m < r1; m++) {
-        uint16_t *out = a + (int64_t)m * K;
+        uint16_t *out = a + (int64_t)m * LDA(K);
         if (m >= M) {
             memset(out, 0, (size_t)K * 2);
             continue;
@@ -203,8 +210,8 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
         _tile_zero(2);
         _tile_zero(3);
     }
-    const int lda = K * 2;
-    const uint16_t *a1 = a0 + 16 * (int64_t)K;
+    const int lda = LDA(K) * 2;
+    const uint16_t *a1 = a0 + 16 * (int64_t)LDA(K);
     const int64_t blocks_step = widen.src ? 2 * hp_widened_tile_bytes(widen.format) : 0; /* a k step's two tiles */
     for (int k = 0; k < K; k += TILE_K) {
         if (widen.src) /* the blocks HP_AMX_AHEAD k steps on, into L1 */
@@ -249,9 +256,9 @@ static void panel_product(int p, const uint16_t *a, const char *panel, struct ti
         float *out = direct ? y + m0 * ldy + n0 : buffer;
         const int64_t ldo = direct ? ldy : 32;
         if (two)
-            panel_groups(a + (int64_t)m0 * K, panel, w, K, 1, out, ldo, widen);
+            panel_groups(a + (int64_t)m0 * LDA(K), panel, w, K, 1, out, ldo, widen);
         else
-            panel_groups(a + (int64_t)m0 * K, panel, w, K, 0, out, ldo, widen);
+            panel_groups(a + (int64_t)m0 * LDA(K), panel, w, K, 0, out, ldo, widen);
         widen.src = NULL;
         for (int r = 0; r < rows; r++) {
             float *yr = y + (m0 + r) * ldy + n0;
@@ -290,7 +297,7 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int groups = (M + 15) / 16, rows = M < 16 ? M : 16;
-    const int64_t need = (int64_t)groups * 16 * K;
+    const int64_t need = (int64_t)groups * 16 * LDA(K);
     if (need > buffer_size) {
         free(buffer);
         buffer_size = need;
