@@ -214,7 +214,7 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
     const uint16_t *a1 = a0 + 16 * (int64_t)LDA(K);
     const int64_t blocks_step = widen.src ? 2 * hp_widened_tile_bytes(widen.format) : 0; /* a k step's two tiles */
     for (int k = 0; k < K; k += TILE_K) {
-        if (widen.src) /* the blocks HP_AMX_AHEAD k steps on, into L1 */
+        if (widen.src) /* the blocks HP_AMX_AHEAD k steps on, into L1 (past the last panel: a prefetch never faults) */
             for (int64_t i = 0; i < blocks_step; i += 64)
                 __builtin_prefetch(widen.src + (k / TILE_K + HP_AMX_AHEAD) * blocks_step + i, 0, 3);
         if (widen.src && widen.format == HP_Q6A)
