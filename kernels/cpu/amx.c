@@ -36,16 +36,17 @@
 #ifndef HP_AMX_PAD
 /* bfloat16 values past K in each row of the rounded activations, so that a tile's 16 rows do not all fall in the
  * same few L1 sets (a row of K = 1536 is 3 KiB: 16 rows in 4 sets). NOTE: 32 (a line) took 1-4% off a SmolLM2
- * step's Q4A and BF16A products at 16-110 rows, 64 less (python -m loadtest.lab.kernel_ab --format q4a,amx). */
+ * step's Q4A and BF16A products at 16-110 rows; 64 as much at 16 rows, less at 64 and 110 (python -m
+ * loadtest.lab.kernel_ab --format q4a,amx). */
 #define HP_AMX_PAD 32
 #endif
 #define LDA(K) ((K) + HP_AMX_PAD) /* the row stride of the rounded activations, in values */
 #ifndef HP_AMX_AHEAD
 /* How many k steps ahead the widening's blocks are prefetched. NOTE: the hardware prefetcher did not keep ahead of
- * the widening (its first load of each tile took ~10% of the kernel's samples in a 64-client step): 4 steps ahead
- * took 5-14% off a SmolLM2 step's Q4A products at 1-110 rows, 2 about as much, 8 less (Xeon with AMX, python -m
- * loadtest.lab.kernel_ab --format q4a). BF16A panels, which the tile loads read straight from DRAM, gained nothing
- * from the same prefetch (within +-5%), so they go without. */
+ * the widening (its first load of each tile took 7-10% of the kernel's samples, served at 64 clients and alone at
+ * 110 rows): 4 steps ahead took 5-14% off a SmolLM2 step's Q4A products at 1-110 rows, 2 about as much, 8 less
+ * (Xeon with AMX, python -m loadtest.lab.kernel_ab --format q4a). BF16A panels, which the tile loads read straight
+ * from DRAM, gained nothing from the same prefetch (within +-6%), so they go without. */
 #define HP_AMX_AHEAD 4
 #endif
 
