@@ -312,10 +312,8 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
         load_config(rows, nr);
-        /* NOTE: guided: each thread's panels in long runs of consecutive ones (the first half of them, then a quarter,
-         * ...), the weights of a run one stream for the prefetchers, and the threads still even out at the end.
-         * Interleaving single panels between the threads (dynamic, 1) read each thread's weights in 14-37 KiB pieces
-         * with the other's in between: a step's products took 13-15% longer at 16-110 rows (Q4A; BF16A 3-12%). */
+        /* NOTE: guided, as ops.c's products (long runs of consecutive panels a thread): single panels taking turns
+         * between the threads (dynamic) made a step's products 13-16% slower at 16-110 rows (Q4A), 6-16% (BF16A). */
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++)
             if (widened)

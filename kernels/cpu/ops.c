@@ -672,16 +672,13 @@ static int row_block(void) {
 #define ROW_BLOCK row_block()
 #endif
 
-/* Consecutive panels per task of a product's parallel loop. Up to MR rows a product streams its weights, and each
- * thread takes runs of consecutive panels (two runs per thread), so its reads form long spans that the hardware
- * prefetcher follows. Why: with one panel per task the threads took alternate panels (10 KB apart for the Q4
- * projections of SmolLM2-135M) and each thread's reads jumped at every panel; a 1-row decode step was 13-15%
- * slower (docs/benchmarks.md). More rows are compute-bound, the same either way, and take one panel per task,
- * which balances best when another process takes a core. */
-static inline int panels_per_task(int M, int N) {
-    const int panels = (N + NR - 1) / NR, tasks = 2 * omp_get_max_threads();
-    return M > MR ? 1 : (panels + tasks - 1) / tasks;
-}
+/* NOTE: a product's parallel loop shares its panels out guided: each thread takes a long run of consecutive panels
+ * (the first thread half of them, the next half of the rest, ...), and the runs shrink to one panel at the end, so
+ * the threads still even out when another process takes a core. A thread's weights are then long spans that the
+ * hardware prefetchers follow. Why: with one panel per task (dynamic, 1) the threads took alternate panels and each
+ * one's reads jumped at every panel; with two runs a thread (1-4 rows) the runs were shorter. Guided took 5-12% off
+ * a step's Q4 products at 1-110 rows (fp32 activations), 13-19% with int8 activations at 16-64 rows, 1-13% off
+ * fp32 panels' (docs/benchmarks.md). */
 
 /* The bodies of the fp32 products from 5 rows on (enum hp_f32_body): each panel on its own (micro_kernel_f32w), or
  * whole panels two at a time (micro_kernel_f32w2), the same bits. Pairs by default where built; the backend times
@@ -715,10 +712,10 @@ static inline int panel_pairs(int M, int N, int format) {
  * NOTE: each weight format has its own parallel loop (LINEAR_LOOP, written once per format), so OpenMP outlines one
  * body per format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
 #define LINEAR_LOOP(bias, scales, format)                                                                             \
-    const int chunk = panels_per_task(M, N), pairs = panel_pairs(M, N, format), panels = (N + NR - 1) / NR;         \
+    const int pairs = panel_pairs(M, N, format), panels = (N + NR - 1) / NR;                                          \
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
-        _Pragma("omp parallel for schedule(dynamic, chunk)") for (int t = 0; t < panels - pairs; t++) {               \
+        _Pragma("omp parallel for schedule(guided)") for (int t = 0; t < panels - pairs; t++) {                       \
             if (t < pairs)                                                                                            \
                 panel_pair_product(2 * t, m0, m1, x, ldx, packed, bias, y, ldy, K, format);                           \
             else                                                                                                      \
@@ -913,14 +910,14 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
     }
     uint32_t *a = buffer; /* NOTE: a local: inside the parallel loops, the threads would each see their own buffer */
     pack_rows_bf16(x, ldx, a, M, K);
-    const int chunk = panels_per_task(M, N), block = ROW_BLOCK / MRB * MRB;
+    const int block = ROW_BLOCK / MRB * MRB;
     for (int m0 = 0; m0 < M; m0 += block) {
         int m1 = m0 + block < M ? m0 + block : M;
         if (bf16_dot != HP_BF16_FMA) {
-#pragma omp parallel for schedule(dynamic, chunk)
+#pragma omp parallel for schedule(guided)
             for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);
         } else {
-#pragma omp parallel for schedule(dynamic, chunk)
+#pragma omp parallel for schedule(guided)
             for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_fma(p, m0, m1, a, packed, bias, y, ldy, N, K);
         }
     }
@@ -1242,7 +1239,7 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
 #define Q8X_LOOP_DOT(format, dot)                                                                                     \
     for (int m0 = 0; m0 < M; m0 += Q8X_ROW_BLOCK) {                                                                   \
         const int m1 = m0 + Q8X_ROW_BLOCK < M ? m0 + Q8X_ROW_BLOCK : M;                                               \
-        _Pragma("omp parallel for schedule(dynamic, chunk)") for (int p = 0; p < (N + NR - 1) / NR; p++)             \
+        _Pragma("omp parallel for schedule(guided)") for (int p = 0; p < (N + NR - 1) / NR; p++)                     \
             panel_product_q8x(p, m0, m1, rows, packed, bias, y, ldy, N, K, format, dot);                              \
     }
 #define Q8X_LOOP(format)                                                                                              \
@@ -1273,7 +1270,6 @@ static void linear_q8x(int format, const float *x, int64_t ldx, const void *pack
     quantize_rows_q8x(x, ldx, M, K, block_nibbles(format), words, d, sums);
     for (int m = 0; m < M; m++)
         rows[m] = (struct q8x_row){words + m * blocks * 8, d + m * blocks, sums + m * blocks * 2};
-    const int chunk = panels_per_task(M, N);
     switch (format) {
     case HP_Q4: Q8X_LOOP(Q4_PANELS) break;
     case HP_Q8: Q8X_LOOP(Q8_PANELS) break;
