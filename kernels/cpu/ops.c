@@ -1771,7 +1771,9 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
     {
         float *scores = malloc(sizeof(float) * (size_t)num_heads * split);
         int s = 0;
-#pragma omp for schedule(dynamic, 1)
+        /* NOTE: guided, as the products' panels: a thread's tasks in runs of consecutive ones took 2-7% off a
+         * step's attention against one task at a time (dynamic, 1), at 1-64 sequences and 192-4096 positions. */
+#pragma omp for schedule(guided)
         for (int c = 0; c < num_chunks; c++) {
             while (chunk0[s + 1] <= c) s++;
             while (chunk0[s] > c) s--;
