@@ -313,7 +313,7 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
         for (int g = 0; g < groups; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
         load_config(rows, nr);
         /* NOTE: guided, as ops.c's products (long runs of consecutive panels a thread): single panels taking turns
-         * between the threads (dynamic) made a step's products 13-16% slower at 16-110 rows (Q4A), 6-16% (BF16A). */
+         * between the threads (dynamic) made a step's products 11-18% slower at 16-110 rows (Q4A), 7-19% (BF16A). */
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++)
             if (widened)

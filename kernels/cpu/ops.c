@@ -676,8 +676,8 @@ static int row_block(void) {
  * (the first thread half of them, the next half of the rest, ...), and the runs shrink to one panel at the end, so
  * the threads still even out when another process takes a core. A thread's weights are then long spans that the
  * hardware prefetchers follow. Why: with one panel per task (dynamic, 1) the threads took alternate panels and each
- * one's reads jumped at every panel; with two runs a thread (1-4 rows) the runs were shorter. Guided took 5-12% off
- * a step's Q4 products at 1-110 rows (fp32 activations), 13-19% with int8 activations at 16-64 rows, 1-13% off
+ * one's reads jumped at every panel; with two runs a thread (1-4 rows) the runs were shorter. Guided took 4-9% off
+ * a step's Q4 products at 1-110 rows (fp32 activations), 13-19% with int8 activations at 16-64 rows, 1-12% off
  * fp32 panels' (docs/benchmarks.md). */
 
 /* The bodies of the fp32 products from 5 rows on (enum hp_f32_body): each panel on its own (micro_kernel_f32w), or
