@@ -79,6 +79,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_argmax_packed": [_c_int, _ptr, _c_i64, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
     "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
                                   _c_int, _c_int, _c_int, _c_float, _c_int],
@@ -97,7 +98,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_f32_bodies": [],
     "hp_set_f32_body": [_c_int],
 }
-_RESULTS = {"hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
+_RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
             "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
@@ -533,6 +534,20 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         _library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
                                     m, out_features, k)
     return y
+
+
+def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+    """``linear(x, packed, out_features).argmax(-1)`` (the first of equal maxima, a NaN the largest) [M] int64,
+    from the same products without writing them, where AMX computes ``packed``'s format; else None."""
+    x = _rows(x, "x")
+    m, k = x.shape
+    in_features, columns = packed_geometry(packed)
+    if in_features != k or columns < out_features:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
+    ids = torch.empty(m, dtype=torch.int64)
+    found = _library().hp_argmax_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                        m, out_features, k, ids.data_ptr())
+    return ids if found == 0 else None
 
 
 def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -18,6 +18,7 @@
  * bits differ from the other BF16C bodies'. ops.c runs a process's BF16C products through one body (hp_set_bf16_dot),
  * and here a row's result does not depend on the other rows: the same tiles and the same k order for any M, the
  * activations rounded the same way. So greedy tokens do not depend on the batch. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -68,6 +69,9 @@ static void load_config(int rows, int nr) {
     for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = t % 2 ? narrow : wide;
     c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = TILE_K * 2;
     c.rows[6] = c.rows[7] = TILE_K / 2, c.colsb[6] = wide, c.colsb[7] = narrow;
+    /* NOTE: GCC's _tile_loadconfig tells the compiler it reads 8 bytes of c, so inlined where the stores to the rest
+     * could be dropped (they were: ldtilecfg faulted on a config of zeros); the barrier keeps every store. */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -245,16 +249,17 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
 }
 
 /* Panel p's columns of y for every row, two row groups of 16 at a time, its weights at panel (laid out as w says;
- * a Q4A panel widened there during the first pair). A pair of groups whose rows and columns all lie in y is stored
- * there straight from the tiles; the last, partial one goes through a buffer. */
+ * a Q4A panel widened there during the first pair); yp is where the panel's first column of row 0 goes (y + p nr,
+ * or a buffer of the panel's own). A pair of groups whose rows and columns all lie in y is stored there straight
+ * from the tiles; the last, partial one goes through a buffer. */
 static void panel_product(int p, const uint16_t *a, const char *panel, struct tiles w, struct widening widen, int nr,
-                          const float *bias, float *y, int64_t ldy, int M, int N, int K, int groups) {
+                          const float *bias, float *yp, int64_t ldy, int M, int N, int K, int groups) {
     const int n0 = p * nr, cols = N - n0 < nr ? N - n0 : nr;
     float buffer[32 * 32] __attribute__((aligned(64)));
     for (int g = 0; g < groups; g += 2) {
         const int two = g + 1 < groups, m0 = g * 16, rows = M - m0 < 32 ? M - m0 : 32;
         const int direct = cols == nr && rows == (two ? 32 : M < 16 ? M : 16); /* a tile holds min(M, 16) rows */
-        float *out = direct ? y + m0 * ldy + n0 : buffer;
+        float *out = direct ? yp + m0 * ldy : buffer;
         const int64_t ldo = direct ? ldy : 32;
         if (two)
             panel_groups(a + (int64_t)m0 * LDA(K), panel, w, K, 1, out, ldo, widen);
@@ -262,7 +267,7 @@ static void panel_product(int p, const uint16_t *a, const char *panel, struct ti
             panel_groups(a + (int64_t)m0 * LDA(K), panel, w, K, 0, out, ldo, widen);
         widen.src = NULL;
         for (int r = 0; r < rows; r++) {
-            float *yr = y + (m0 + r) * ldy + n0;
+            float *yr = yp + (m0 + r) * ldy;
             const float *o = out + r * ldo;
             if (bias)
                 for (int c = 0; c < cols; c++) yr[c] = o[c] + bias[n0 + c];
@@ -276,7 +281,7 @@ static void panel_product(int p, const uint16_t *a, const char *panel, struct ti
  * the first row pair's tile loads, then read as it is by the other pairs. NOTE: widening the next panel under this
  * one's tile ops (two buffers taking turns) measured no faster at 1-256 rows (docs/benchmarks.md). */
 static void widened_panel_product(int p, int format, const uint16_t *a, const void *packed, const float *bias,
-                                  float *y, int64_t ldy, int M, int N, int K, int groups) {
+                                  float *yp, int64_t ldy, int M, int N, int K, int groups) {
     static __thread uint16_t *widened = 0;
     static __thread int64_t widened_k = 0;
     if (K > widened_k) {
@@ -286,48 +291,174 @@ static void widened_panel_product(int p, int format, const uint16_t *a, const vo
     }
     const struct widening here = {(const char *)packed + (int64_t)p * (K / TILE_K) * 2 * hp_widened_tile_bytes(format),
                                   widened, format};
-    panel_product(p, a, (const char *)widened, WIDENED, here, HP_BF16A_WIDTH, bias, y, ldy, M, N, K, groups);
+    panel_product(p, a, (const char *)widened, WIDENED, here, HP_BF16A_WIDTH, bias, yp, ldy, M, N, K, groups);
 }
 
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
-                        float *y, int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K || nr <= 16 || nr > 32 || nr % 8 ||
-        (widened && (nr != HP_BF16A_WIDTH || (widened != HP_Q4A && widened != HP_Q6A && widened != HP_Q8A))))
-        return -1;
-    if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
+/* Panel p of BF16C/BF16A panels nr wide, or of Q4A, Q6A or Q8A panels (widened: that format, else 0), for every
+ * row, into yp (row stride ldy) as panel_product says. */
+static inline void any_panel_product(int p, int widened, const uint16_t *a, const void *packed, int nr,
+                                     const float *bias, float *yp, int64_t ldy, int M, int N, int K, int groups) {
+    const struct widening none = {NULL, NULL, 0};
+    if (widened)
+        widened_panel_product(p, widened, a, packed, bias, yp, ldy, M, N, K, groups);
+    else
+        panel_product(p, a, (const char *)packed + (int64_t)p * K * nr * 2, tiles_of(nr), none, nr, bias, yp, ldy, M,
+                      N, K, groups);
+}
+
+static int amx_fits(int nr, int widened, int K) {
+    return hp_amx_bf16_available() && K % TILE_K == 0 && nr > 16 && nr <= 32 && nr % 8 == 0 &&
+           (!widened || (nr == HP_BF16A_WIDTH && (widened == HP_Q4A || widened == HP_Q6A || widened == HP_Q8A)));
+}
+
+/* This thread's buffer for M rows of K rounded to bfloat16 (rows LDA(K) apart, whole groups of 16), grown as needed
+ * and kept: a decode step asks for it ~4 times a layer. */
+static uint16_t *rows_buffer(int M, int K) {
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
-    const int groups = (M + 15) / 16, rows = M < 16 ? M : 16;
-    const int64_t need = (int64_t)groups * 16 * LDA(K);
+    const int64_t need = (int64_t)((M + 15) / 16) * 16 * LDA(K);
     if (need > buffer_size) {
         free(buffer);
         buffer_size = need;
         buffer = (uint16_t *)aligned_alloc(64, (size_t)need * 2);
     }
-    uint16_t *a = buffer; /* NOTE: a local: inside the parallel region, the threads would each see their own buffer */
-    const int panels = (N + nr - 1) / nr;
-    const struct widening none = {NULL, NULL, 0};
+    return buffer;
+}
+
+/* The rows of x rounded into a, the groups shared out among the threads of the enclosing parallel region; then each
+ * thread's tiles configured. */
+static void start_tiles(const float *x, int64_t ldx, uint16_t *a, int M, int K, int nr) {
+#pragma omp for schedule(static)
+    for (int g = 0; g < (M + 15) / 16; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
+    load_config(M < 16 ? M : 16, nr);
+}
+
+int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
+                        float *y, int64_t ldy, int M, int N, int K) {
+    if (!amx_fits(nr, widened, K)) return -1;
+    if (M <= 0 || N <= 0) return 0; /* nothing to compute, and a tile of no rows is no valid configuration */
+    const int groups = (M + 15) / 16, panels = (N + nr - 1) / nr;
+    uint16_t *a = rows_buffer(M, K); /* NOTE: a local: inside the parallel region, each thread would see its own */
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
-        load_config(rows, nr);
+        start_tiles(x, ldx, a, M, K, nr);
         /* NOTE: guided, as ops.c's products (long runs of consecutive panels a thread): single panels taking turns
          * between the threads (dynamic) made a step's products 11-18% slower at 16-110 rows (Q4A), 7-19% (BF16A). */
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++)
-            if (widened)
-                widened_panel_product(p, widened, a, packed, bias, y, ldy, M, N, K, groups);
-            else
-                panel_product(p, a, (const char *)packed + (int64_t)p * K * nr * 2, tiles_of(nr), none, nr, bias, y,
-                              ldy, M, N, K, groups);
+            any_panel_product(p, widened, a, packed, nr, bias, y + (int64_t)p * nr, ldy, M, N, K, groups);
         _tile_release();
     }
     return 0;
 }
 
+/* The running argmax of a row over the columns one thread has seen: per lane (column j mod 32) the largest value
+ * and the first column that held it, and the first NaN column of the row (INT32_MAX: none). */
+struct lane_max {
+    __m512 v[2];
+    __m512i at[2];
+    int32_t nan;
+};
+
+/* Whether (v, i) comes before (w, j) in torch's argmax: a NaN first (the first NaN), then the larger, then the
+ * first column. */
+static inline int ahead(float v, int64_t i, float w, int64_t j) {
+    if ((v != v) != (w != w)) return v != v;
+    if (v != v || v == w) return i < j;
+    return v > w;
+}
+
+/* The first column of the largest value in a row's lanes (or its first NaN), as (value, column). */
+static inline void lanes_argmax(const struct lane_max *s, float *value, int64_t *at) {
+    float bv = NAN;
+    int64_t bi = -1;
+    for (int h = 0; h < 2; h++) {
+        float v[16];
+        int32_t i[16];
+        _mm512_storeu_ps(v, s->v[h]);
+        _mm512_storeu_si512(i, s->at[h]);
+        for (int l = 0; l < 16; l++)
+            if (i[l] >= 0 && (bi < 0 || ahead(v[l], i[l], bv, bi))) bv = v[l], bi = i[l];
+    }
+    if (s->nan != INT32_MAX) bv = NAN, bi = s->nan;
+    *value = bv, *at = bi;
+}
+
+/* ids [M] = the argmax over the N columns of x . w^T, x's rows [M, K], as torch's argmax of hp_linear_bf16c_amx's
+ * y would give (the first of equal maxima, a NaN the largest), without y: each thread keeps its panels' products in
+ * a buffer of its own and a running maximum per row. Why: a greedy step's LM head writes y [M, vocab] and numpy's
+ * argmax then reads it on one core: 1.1 ms at 58 rows of SmolLM2's 49152 columns, a quarter of the head's product
+ * (Xeon with AMX). */
+int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
+                        int64_t *ids) {
+    if (!amx_fits(nr, widened, K)) return -1;
+    if (M <= 0) return 0;
+    if (N <= 0) return -1;
+    const int groups = (M + 15) / 16, panels = (N + nr - 1) / nr;
+    uint16_t *a = rows_buffer(M, K);
+    const int threads = omp_get_max_threads();
+    float *best = (float *)malloc(sizeof(float) * (size_t)threads * M);
+    int64_t *best_at = (int64_t *)malloc(sizeof(int64_t) * (size_t)threads * M);
+#pragma omp parallel
+    {
+        const int me = omp_get_thread_num();
+        float *out = (float *)aligned_alloc(64, sizeof(float) * (size_t)groups * 16 * 32);
+        struct lane_max *lanes = (struct lane_max *)aligned_alloc(64, sizeof(struct lane_max) * (size_t)M);
+        for (int m = 0; m < M; m++)
+            for (int h = 0; h < 2; h++)
+                lanes[m].v[h] = _mm512_set1_ps(-INFINITY), lanes[m].at[h] = _mm512_set1_epi32(-1);
+        for (int m = 0; m < M; m++) lanes[m].nan = INT32_MAX;
+        start_tiles(x, ldx, a, M, K, nr);
+#pragma omp for schedule(guided)
+        for (int p = 0; p < panels; p++) {
+            any_panel_product(p, widened, a, packed, nr, NULL, out, 32, M, N, K, groups);
+            const int n0 = p * nr, cols = N - n0 < nr ? N - n0 : nr;
+            const __mmask16 valid[2] = {(__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1),
+                                        (__mmask16)(cols >= 32 ? 0xffff : cols > 16 ? (1u << (cols - 16)) - 1 : 0)};
+            for (int m = 0; m < M; m++) {
+                struct lane_max *s = &lanes[m];
+                for (int h = 0; h < 2; h++) {
+                    const __m512 v = _mm512_maskz_loadu_ps(valid[h], out + m * 32 + 16 * h);
+                    const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid[h], v, v, _CMP_UNORD_Q);
+                    if (nan && n0 + 16 * h + __builtin_ctz(nan) < s->nan) s->nan = n0 + 16 * h + __builtin_ctz(nan);
+                    /* a value equal to the lane's best, or one the lane has not had (-inf, the start), where the lane
+                     * has none yet: a column is taken when it is larger, or when the lane is still empty */
+                    const __mmask16 empty = _mm512_cmp_epi32_mask(s->at[h], _mm512_set1_epi32(-1), _MM_CMPINT_EQ);
+                    const __mmask16 take = (_mm512_mask_cmp_ps_mask(valid[h], v, s->v[h], _CMP_GT_OQ) |
+                                            (empty & valid[h] & ~nan));
+                    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(n0 + 16 * h),
+                                                        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                         1, 0));
+                    s->v[h] = _mm512_mask_mov_ps(s->v[h], take, v);
+                    s->at[h] = _mm512_mask_mov_epi32(s->at[h], take, at);
+                }
+            }
+        }
+        _tile_release();
+        for (int m = 0; m < M; m++) lanes_argmax(&lanes[m], &best[me * M + m], &best_at[me * M + m]);
+        free(lanes);
+        free(out);
+    }
+    for (int m = 0; m < M; m++) {
+        float bv = best[m];
+        int64_t bi = best_at[m];
+        for (int t = 1; t < threads; t++)
+            if (best_at[t * M + m] >= 0 && (bi < 0 || ahead(best[t * M + m], best_at[t * M + m], bv, bi)))
+                bv = best[t * M + m], bi = best_at[t * M + m];
+        ids[m] = bi;
+    }
+    free(best);
+    free(best_at);
+    return 0;
+}
+
 #else
 int hp_amx_bf16_available(void) { return 0; }
+int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
+                        int64_t *ids) {
+    (void)x, (void)ldx, (void)packed, (void)nr, (void)widened, (void)M, (void)N, (void)K, (void)ids;
+    return -1;
+}
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K) {
     (void)x, (void)ldx, (void)packed, (void)nr, (void)widened, (void)bias, (void)y, (void)ldy, (void)M, (void)N;

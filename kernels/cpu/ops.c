@@ -972,6 +972,16 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
     }
 }
 
+/* ids [M] = each row's argmax (torch's: the first of equal maxima, a NaN the largest) over the N columns of
+ * hp_linear_packed(format, x, packed) without bias, from the same products, where AMX computes them (amx.c); else -1
+ * and nothing written. */
+int hp_argmax_packed(int format, const float *x, int64_t ldx, const void *packed, int M, int N, int K, int64_t *ids) {
+    if (format == HP_BF16C && bf16_dot == HP_BF16_AMX) return hp_argmax_bf16c_amx(x, ldx, packed, NR, 0, M, N, K, ids);
+    if (format == HP_BF16A || format == HP_Q4A || format == HP_Q6A || format == HP_Q8A)
+        return hp_argmax_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_BF16A ? 0 : format, M, N, K, ids);
+    return -1;
+}
+
 /* ---- Q8X: block panels times activations rounded to int8, as llama.cpp multiplies a GGUF file ------------------
  * Opt-in (HP_Q8X on the format; EngineConfig.quantized_matmul = "int8"). Each call rounds its rows to int8 per 32 k
  * (d = max |x| / 127, q = round(x / d)) and multiplies each 32 k of a block panel as integers: vpdpbusd sums four

@@ -44,6 +44,9 @@ static inline int64_t hp_widened_tile_bytes(int format) {
  * 0) on AMX tiles; -1 where it cannot. */
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K);
+/* ids [M] = each row's argmax over the N columns of the same product, without writing it; -1 where it cannot. */
+int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
+                        int64_t *ids);
 
 /* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
  * has u8 x s8 dot products (hp_q8x_available). */
