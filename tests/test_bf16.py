@@ -124,7 +124,8 @@ def test_a_library_plan_runs_every_product_through_onednn(dtype, tiny_model, mon
     """Where oneDNN measures faster (or the user asks for it), every projection and the head run there, prepacked.
     fp32 stays token-exact with transformers. In bfloat16, oneDNN sums the fp32 products of the same rounded
     operands as the BF16C panels and then rounds its output to bfloat16: the C panels' products, rounded so too (and
-    run through the modules, not the one-call decoder), give its prompt logprobs bit for bit."""
+    run through the modules, not the one-call decoder, and their logits written, not argmaxed as they come), give its
+    prompt logprobs bit for bit."""
     from transformers import AutoModelForCausalLM
 
     import engine.backends.cpu as cpu_backend
@@ -142,6 +143,7 @@ def test_a_library_plan_runs_every_product_through_onednn(dtype, tiny_model, mon
                             lambda self, x, bias: product(self, x, bias).to(torch.bfloat16).float())
     c_panels = LLM(str(folder), gemm_kernels="c", **options)
     c_panels.engine.backend.decoder = None
+    c_panels.engine.backend.argmax_head = None
     c_outs = c_panels.generate(prompts, params)
     llm = LLM(str(folder), gemm_kernels="onednn", **options)
     backend = llm.engine.backend
@@ -235,6 +237,47 @@ def test_bf16a_panels_give_the_bits_of_bf16c_panels_through_amx():
     assert torch.equal(cpu.embed_rows(wide, ids, 100), w.bfloat16().float()[ids])
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu.pack_weight_bf16a(torch.randn(8, 48))
+
+
+@pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("n,k", [(1000, 64), (77, 96), (13, 32), (4100, 576)])
+def test_the_argmax_of_an_amx_product_is_that_of_its_written_logits(n, k):
+    """A greedy LM head on AMX takes each row's argmax as the tiles produce the logits (never written): the same
+    products, so the index torch's argmax gives over the written ones, ties (the first), NaN rows (the first NaN)
+    and -inf rows included, for BF16A, BF16C and Q4A panels, partial last panels and row groups."""
+    from engine.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(n, k, generator=gen)
+    w[5] = w[3]  # two equal columns: the first wins
+    q, d, m = _q4_blocks(n, k, gen)
+    panels = {"BF16A": cpu.pack_weight_bf16a(w), "BF16C": cpu.pack_weight_bf16c(w), "Q4A": cpu.pack_weight_q4a(q, d, m)}
+    with cpu.bf16_body("amx"):
+        for name, packed in panels.items():
+            for rows in (1, 5, 16, 17, 58, 110):
+                x = torch.randn(rows, k, generator=gen)
+                if rows >= 5:
+                    x[1] = 0  # every logit 0: column 0
+                    x[2, 0] = float("nan")  # every logit NaN: column 0
+                    x[3, 0] = float("inf")  # inf and -inf, and NaN where the column's weight is 0
+                    x[4] = x[0]
+                expected = argmax_rows(cpu.linear(x, packed, n))
+                assert torch.equal(cpu.argmax_linear(x, packed, n), expected), (name, rows)
+    assert cpu.argmax_linear(torch.randn(2, k), cpu.pack_weight(w), n) is None  # fp32 panels: no AMX product
+
+
+def test_a_greedy_bf16_head_on_amx_gives_the_tokens_of_its_written_logits(tiny_model):
+    """Where AMX runs the LM head, greedy steps take their tokens without writing the logits; switched off, the same
+    requests through the written logits give the same tokens. Elsewhere there is no such head."""
+    llm = LLM(str(tiny_model("llama-gqa-tied")), **quick(attention_backend="cpu", dtype="bfloat16",
+                                                         gemm_kernels="c", kv_cache_memory=4 << 20))
+    backend = llm.engine.backend
+    assert (backend.argmax_head is not None) == (backend.bf16_dot == "amx")
+    prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(2 + 11 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    backend.argmax_head = None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
 
 
 @pytest.mark.skipif("amx" in BODIES or not cpu.available(), reason="the CPU has AMX tiles")

@@ -12,7 +12,9 @@ What it does with a model (``prepare``):
 - norms, rotary and SiLU-mul run as fused C kernels;
 - steps of short queries, or of prompt chunks within ``DECODER_MAX_PREFILL_CONTEXT`` positions, run every layer
   in one C call (``kernels/cpu/decoder.py``); other steps go through the model's modules and torch's flash SDPA;
-- greedy steps of up to 8 rows take their tokens from a screened int8 copy of an fp32 LM head (``greedy_head.py``).
+- greedy steps of up to 8 rows take their tokens from a screened int8 copy of an fp32 LM head (``greedy_head.py``);
+  where AMX computes the LM head, greedy steps take each row's argmax as the tiles produce the logits, which are
+  never written (``argmax_linear``: the same products, so the same tokens).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class CpuBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self.decoder: Decoder | None = None
         self.greedy_head: ScreenedGreedyHead | None = None
+        self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
@@ -236,6 +239,10 @@ class CpuBackend(TorchBackend):
                                               requires_grad=False)
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
+        kernel = model.lm_head.kernel
+        if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
+                and cpu_kernels.argmax_linear(torch.zeros(1, model.config.hidden_size), kernel.packed, vocab) is not None):
+            self.argmax_head = kernel
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
         self.decoder = _decoder(model, self.int8_activations) if self.config.tensor_parallel_size == 1 else None
@@ -285,7 +292,10 @@ class CpuBackend(TorchBackend):
         return self.decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
+        tokens = None if self.greedy_head is None else self.greedy_head.argmax(hidden)
+        if tokens is None and self.argmax_head is not None:
+            tokens = cpu_kernels.argmax_linear(hidden, self.argmax_head.packed, self.argmax_head.out_features)
+        return tokens
 
     def weight_holders(self) -> list[object]:
         return [self.decoder, self.greedy_head]
