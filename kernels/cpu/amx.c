@@ -399,6 +399,7 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     const int threads = omp_get_max_threads();
     float *best = (float *)malloc(sizeof(float) * (size_t)threads * M);
     int64_t *best_at = (int64_t *)malloc(sizeof(int64_t) * (size_t)threads * M);
+    for (int64_t i = 0; i < (int64_t)threads * M; i++) best_at[i] = -1; /* a thread the region did not get: none */
 #pragma omp parallel
     {
         const int me = omp_get_thread_num();
@@ -440,9 +441,9 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
         free(out);
     }
     for (int m = 0; m < M; m++) {
-        float bv = best[m];
-        int64_t bi = best_at[m];
-        for (int t = 1; t < threads; t++)
+        float bv = NAN;
+        int64_t bi = -1;
+        for (int t = 0; t < threads; t++)
             if (best_at[t * M + m] >= 0 && (bi < 0 || ahead(best[t * M + m], best_at[t * M + m], bv, bi)))
                 bv = best[t * M + m], bi = best_at[t * M + m];
         ids[m] = bi;
