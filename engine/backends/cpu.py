@@ -239,9 +239,9 @@ class CpuBackend(TorchBackend):
                                               requires_grad=False)
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
-        kernel = model.lm_head.kernel
+        kernel, probe = model.lm_head.kernel, torch.zeros(1, model.config.hidden_size)
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
-                and cpu_kernels.argmax_linear(torch.zeros(1, model.config.hidden_size), kernel.packed, vocab) is not None):
+                and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
             self.argmax_head = kernel
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.

@@ -98,7 +98,8 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_f32_bodies": [],
     "hp_set_f32_body": [_c_int],
 }
-_RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int, "hp_embed_rows": _c_int,
+_RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int,
+            "hp_embed_rows": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
             "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,

@@ -352,8 +352,8 @@ int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     return 0;
 }
 
-/* The running argmax of a row over the columns one thread has seen: per lane (column j mod 32) the largest value
- * and the first column that held it, and the first NaN column of the row (INT32_MAX: none). */
+/* The running argmax of a row over the columns one thread has seen: per lane (a column's place in its panel) the
+ * largest value and the first column that held it (-1: none yet), and the row's first NaN column (INT32_MAX: none). */
 struct lane_max {
     __m512 v[2];
     __m512i at[2];
@@ -422,8 +422,8 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
                     const __m512 v = _mm512_maskz_loadu_ps(valid[h], out + m * 32 + 16 * h);
                     const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid[h], v, v, _CMP_UNORD_Q);
                     if (nan && n0 + 16 * h + __builtin_ctz(nan) < s->nan) s->nan = n0 + 16 * h + __builtin_ctz(nan);
-                    /* a value equal to the lane's best, or one the lane has not had (-inf, the start), where the lane
-                     * has none yet: a column is taken when it is larger, or when the lane is still empty */
+                    /* a column is taken where it is larger than its lane's best, or where the lane has none yet (so
+                     * a -inf counts); a NaN never: the row's first NaN is kept apart */
                     const __mmask16 empty = _mm512_cmp_epi32_mask(s->at[h], _mm512_set1_epi32(-1), _MM_CMPINT_EQ);
                     const __mmask16 take = (_mm512_mask_cmp_ps_mask(valid[h], v, s->v[h], _CMP_GT_OQ) |
                                             (empty & valid[h] & ~nan));
