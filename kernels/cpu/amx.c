@@ -405,10 +405,11 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
         const int me = omp_get_thread_num();
         float *out = (float *)aligned_alloc(64, sizeof(float) * (size_t)groups * 16 * 32);
         struct lane_max *lanes = (struct lane_max *)aligned_alloc(64, sizeof(struct lane_max) * (size_t)M);
-        for (int m = 0; m < M; m++)
+        for (int m = 0; m < M; m++) {
             for (int h = 0; h < 2; h++)
                 lanes[m].v[h] = _mm512_set1_ps(-INFINITY), lanes[m].at[h] = _mm512_set1_epi32(-1);
-        for (int m = 0; m < M; m++) lanes[m].nan = INT32_MAX;
+            lanes[m].nan = INT32_MAX;
+        }
         start_tiles(x, ldx, a, M, K, nr);
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++) {
