@@ -512,6 +512,15 @@ def set_q8x_dot(name: str) -> None:
         raise ValueError(f"this build has no {name!r} dot product (it has {q8x_dots()})")
 
 
+def _fitting_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x`` as fp32 rows (``_rows``) that ``packed``'s panels take, which hold at least ``out_features`` columns."""
+    x = _rows(x, "x")
+    in_features, columns = packed_geometry(packed)
+    if in_features != x.shape[1] or columns < out_features:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
+    return x
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            int8_activations: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
@@ -519,11 +528,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` (not exact: see ops.c); other panels ignore
     it. ``out``: where to write it, fp32 [M, out_features] with rows that may be strided (some columns of a wider
     output)."""
-    x = _rows(x, "x")
+    x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
-    in_features, columns = packed_geometry(packed)
-    if in_features != k or columns < out_features:
-        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
     _check(y, torch.float32, "out")
     if y.shape != (m, out_features) or (m and out_features > 1 and y.stride(1) != 1):
@@ -540,11 +546,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
     """``linear(x, packed, out_features).argmax(-1)`` (the first of equal maxima, a NaN the largest) [M] int64,
     from the same products without writing them, where AMX computes ``packed``'s format; else None."""
-    x = _rows(x, "x")
+    x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
-    in_features, columns = packed_geometry(packed)
-    if in_features != k or columns < out_features:
-        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     ids = torch.empty(m, dtype=torch.int64)
     found = _library().hp_argmax_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
                                         m, out_features, k, ids.data_ptr())
