@@ -30,6 +30,6 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: int) -
         return messages
 
     try:
-        run_engine_loop(config, receive, conn.send, freeze_heap=True)
+        run_engine_loop(config, receive, conn.send, own_process=True)
     except (EOFError, BrokenPipeError):
         pass  # the server went away: nothing left to serve

@@ -98,7 +98,7 @@ class Metrics:
         plan = info.gemm_plan or {}
         self.engine_info.info({"device": info.device, "dtype": info.dtype, "backend": info.backend,
                                "isa": plan.get("isa", ""), "gemm": ",".join(plan.get("choice", [])[:1])})
-        if plan:
+        if plan.get("peak_gflops"):
             self.gemm_peak_flops.set(plan["peak_gflops"] * 1e9)
 
     def engine_restarted(self) -> None:

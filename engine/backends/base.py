@@ -117,6 +117,10 @@ class TorchBackend:
         elif self.device.type == "cuda":
             warm_up_bursts(engine, smallest=min(WARM_UP_PROMPT_LEN, engine.max_model_len - 2))
 
+    def after_start_up(self) -> None:
+        """In a server's engine process, once warmed up: measure what only an otherwise idle machine shows (the API
+        process loads its tokenizer and modules while the engine starts)."""
+
     def weight_holders(self) -> list[object]:
         """What this backend keeps of the weights beside the model's modules (packed copies, C-side tables), for
         the memory ledger."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -30,7 +30,14 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends import widened
 from engine.backends.base import TorchBackend
-from engine.backends.gemm_plan import GemmPlan, OneDnnLinear, c_panels_plan, measure_plan, seconds_per_call
+from engine.backends.gemm_plan import (
+    GemmPlan,
+    OneDnnLinear,
+    c_panels_plan,
+    matmul_peak_gflops,
+    measure_plan,
+    seconds_per_call,
+)
 from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
@@ -296,6 +303,12 @@ class CpuBackend(TorchBackend):
         if tokens is None and self.argmax_head is not None:
             tokens = cpu_kernels.argmax_linear(hidden, self.argmax_head.packed, self.argmax_head.out_features)
         return tokens
+
+    def after_start_up(self) -> None:
+        if self.plan is not None:  # see gemm_plan.PEAK_BUDGET_S
+            self.plan = replace(self.plan, peak_gflops=matmul_peak_gflops(self.dtype))
+            logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
+                        self.plan.peak_gflops)
 
     def weight_holders(self) -> list[object]:
         return [self.decoder, self.greedy_head]
