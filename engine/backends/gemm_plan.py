@@ -10,9 +10,9 @@ model's own first-layer shapes and at M = 1, 4, 16, 64 and 256 rows,
 NOTE: one family serves every bucket. Two families sum a product in different orders, so mixing them by batch size
 would give a request's rows different bits depending on what else is in its step, and the engine's contract is
 that greedy tokens do not depend on the batch. The library is taken where it is ``LIBRARY_MARGIN`` faster in the
-geometric mean over the buckets (a tie goes to the C panels, which also run inside the one-call decoder). The
-machine's matmul peak for the dtype (torch's product of large squares) is measured too; the bench reports the
-steps' GEMM rate against it.
+geometric mean over the buckets (a tie goes to the C panels, which also run inside the one-call decoder). A
+server's engine also measures the machine's matmul peak for the dtype (torch's product of large squares) once it
+has started; the bench reports the steps' GEMM rate against it.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
 
 def c_panels_plan(dtype: torch.dtype) -> GemmPlan:
     """The plan of a GGUF file's quantized weights, which only the C panels take: nothing to choose, so nothing is
-    timed but the machine's peak (timing an 8B model's first layer for the record took ~5 s of its start-up)."""
+    timed (timing an 8B model's first layer for the record took ~5 s of its start-up)."""
     plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, ("c",) * len(M_BUCKETS), {})
     logger.info(plan.describe())
     return plan
