@@ -131,8 +131,8 @@ def test_a_library_plan_runs_every_product_through_onednn(dtype, tiny_model, mon
     import engine.backends.cpu as cpu_backend
     import engine.backends.gemm_plan as gemm_plan
 
-    if not gemm_plan.library_available():
-        pytest.skip("torch has no oneDNN linear here")
+    if not gemm_plan.library_available(getattr(torch, dtype)):
+        pytest.skip(f"torch has no oneDNN linear for {dtype} on this CPU")
     folder = tiny_model("llama-gqa-tied")
     prompts = [[(5 * i + 11 * j) % 500 + 3 for j in range(3 + 9 * i)] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0)
@@ -434,3 +434,16 @@ def test_a_q8_0_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(tm
     out = _widened_and_bf16a_tokens(str(path), ["Hello there", "Once upon a time, in a land"], max_model_len=256)
     assert out[True][0] == 4 * 2 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]
+
+
+def test_a_dtype_onednn_cannot_pack_leaves_it_out_of_the_plan(monkeypatch):
+    """oneDNN's bf16 reorder refuses CPUs without AVX-512 or avx_ne_convert: the plan then times the C panels
+    alone, and asking for oneDNN is a clear error, not a crash inside torch."""
+    import engine.backends.gemm_plan as gemm_plan
+
+    monkeypatch.setattr(gemm_plan, "library_available", lambda dtype=torch.float32: dtype != torch.bfloat16)
+    weight = torch.randn(32, 64).bfloat16()
+    plan = gemm_plan.measure_plan([weight], lambda w: lambda x: x @ w.float().T, torch.bfloat16)
+    assert set(plan.gflops) == {"c"} and set(plan.choice) == {"c"}
+    with pytest.raises(ValueError, match="no oneDNN linear .* for torch.bfloat16 on this CPU"):
+        gemm_plan.measure_plan([weight], lambda w: lambda x: x @ w.float().T, torch.bfloat16, family="onednn")

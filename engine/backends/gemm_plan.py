@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -64,8 +64,18 @@ def seconds_per_call(fn: Callable[[], object], budget_s: float = 0.01, rounds: i
     return statistics.median(times)
 
 
-def library_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@cache
+def library_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN through torch packs weights of ``dtype`` on this CPU, tried on a small one. NOTE: its bf16
+    reorder refuses CPUs without AVX-512 (bw/vl/dq) or avx_ne_convert ("bf16 path needs the cpu support ..."): on
+    an AVX2-only AMD EPYC every bfloat16 start-up failed in the GEMM plan before this check."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -151,11 +161,12 @@ def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor],
     ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes
     the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice (still timed, for the
     record)."""
-    if family == "onednn" and not library_available():
-        raise ValueError("gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn)")
+    if family == "onednn" and not library_available(dtype):
+        raise ValueError(f"gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn) for {dtype} on "
+                         "this CPU")
     flops = [2 * w.shape[0] * w.shape[1] for w in weights]
     candidates = {"c": [c_kernel(w) for w in weights]}
-    if library_available():
+    if library_available(dtype):
         candidates["onednn"] = [partial(OneDnnLinear.pack(w), bias=None) for w in weights]
     rates: dict[str, list[float]] = {name: [] for name in candidates}
     for m in M_BUCKETS:

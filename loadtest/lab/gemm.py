@@ -38,8 +38,9 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
     out["F.linear bf16"] = lambda x: F.linear(x.bfloat16(), wb)
     if library_available():
         p32 = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        pbf = torch.ops.mkldnn._reorder_linear_weight(wb, None)
         out["oneDNN fp32"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, p32, None, "none", [], "")
+    if library_available(torch.bfloat16):
+        pbf = torch.ops.mkldnn._reorder_linear_weight(wb, None)
         out["oneDNN bf16"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), pbf, None, "none", [], "")
     return out
 
