@@ -10,6 +10,8 @@ measured here."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -175,6 +177,25 @@ def test_the_gemm_plan_is_one_family_and_reports_its_rates(tiny_model):
     assert info["isa"] == plan.isa and info["dtype"] == "float32"
     with pytest.raises(ValueError, match="gemm_kernels must be auto, c or onednn"):
         EngineConfig(gemm_kernels="mkl")
+
+
+def test_the_matmul_peak_takes_fewer_rows_where_a_dtypes_products_are_slow(monkeypatch):
+    # bfloat16 on an AVX2-only CPU: ~30 ms a row, so five calls of 1024 rows held a server's start for 150 s
+    from engine.backends import gemm_plan
+
+    rows, mm = [], torch.mm
+
+    def slow_mm(a, b, **kw):
+        rows.append(a.shape[0])
+        time.sleep(0.01 * a.shape[0])
+        return mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    start = time.perf_counter()
+    peak = gemm_plan.matmul_peak_gflops(torch.float32)
+    assert 0 < peak < 2 * 2048 * 2048 / 0.01 / 1e9
+    assert max(rows) <= 64 and len(rows) >= 2 + gemm_plan.PEAK_MIN_CALLS
+    assert time.perf_counter() - start < 4 * gemm_plan.PEAK_BUDGET_S
 
 
 MAX_NEW = 32

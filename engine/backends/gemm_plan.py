@@ -131,20 +131,31 @@ class GemmPlan:
 # swings for about a second at a time (65 / 100 / 88 GFLOP/s in one 60-call loop on an idle AMD EPYC). A median of
 # three calls measured with the plan gave 59, 90 and 148 on three starts of one instance, and the bench's "of peak"
 # column then read 150%.
-PEAK_BUDGET_S, PEAK_MIN_CALLS = 0.8, 4
+# NOTE: the rows shrink where a dtype's products are slow: torch's bfloat16 matmul on an AVX2-only CPU ran 0.28
+# GFLOP/s, 30 s a [1024, 2048] call, and the five calls held a bf16 server's start for 150 s.
+PEAK_BUDGET_S, PEAK_MIN_CALLS, PEAK_MAX_ROWS, PEAK_MIN_ROWS = 0.8, 4, 1024, 8
 
 
 def matmul_peak_gflops(dtype: torch.dtype) -> float:
-    """The machine's matmul peak for ``dtype``: torch's product of a [1024, 2048] by a [2048, 2048] matrix, the
-    fastest of the calls made over ``PEAK_BUDGET_S``."""
-    a, b = torch.randn(1024, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    """The machine's matmul peak for ``dtype``: torch's product of [rows, 2048] by [2048, 2048], the fastest of the
+    calls made over ``PEAK_BUDGET_S``; rows 1024, or fewer where a call would take over half the budget."""
+    b = torch.randn(2048, 2048).to(dtype)
+    probe = torch.randn(PEAK_MIN_ROWS, 2048).to(dtype)
+    torch.mm(probe, b)
+    start = time.perf_counter()
+    torch.mm(probe, b)
+    per_row = (time.perf_counter() - start) / PEAK_MIN_ROWS
+    rows = PEAK_MIN_ROWS
+    while rows < PEAK_MAX_ROWS and 2 * rows * per_row <= PEAK_BUDGET_S / 2:
+        rows *= 2
+    a = torch.randn(rows, 2048).to(dtype)
     out = torch.mm(a, b)
     fastest, calls, start = float("inf"), 0, time.perf_counter()
     while calls < PEAK_MIN_CALLS or time.perf_counter() - start < PEAK_BUDGET_S:
         begin = time.perf_counter()
         torch.mm(a, b, out=out)
         fastest, calls = min(fastest, time.perf_counter() - begin), calls + 1
-    return 2 * 1024 * 2048 * 2048 / fastest / 1e9
+    return 2 * rows * 2048 * 2048 / fastest / 1e9
 
 
 def c_panels_plan(dtype: torch.dtype) -> GemmPlan:

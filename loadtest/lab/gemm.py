@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(m, k)
             rates = [2 * m * n * k / seconds_per_call(lambda f=f, x=x: f(x)) / 1e9 for f in kernels.values()]
             print(f"| {n}x{k} | {m} | " + " | ".join(f"{r:.3g}" for r in rates) + " |", flush=True)
-    print("\nGFLOP/s. Machine matmul peak (torch, [1024, 2048] x [2048, 2048]): "
+    print("\nGFLOP/s. Machine matmul peak (torch, [up to 1024, 2048] x [2048, 2048]): "
           + ", ".join(f"{d}: {matmul_peak_gflops(getattr(torch, d)):.0f}" for d in ("float32", "bfloat16")))
 
 
