@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,9 +149,10 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
 
     from engine.gguf_weights import ROPE_FREQS, tensor_table
 
-    reader = GGUFReader(str(gguf_path))  # parsed once here: a 128k-token vocabulary takes gguf-py ~4 s
-    tokenizer = _gguf_tokenizer(gguf_path, reader)
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    reader = GGUFReader(str(gguf_path))  # parsed once here: a 128k-token vocabulary takes gguf-py 4-12 s
+    with _parsed_once(reader):
+        tokenizer = _gguf_tokenizer(gguf_path, reader)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tensors = {t.name: t for t in reader.tensors}
     values = config.to_dict()
     values.pop("quantization_config", None)
@@ -166,6 +168,38 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
         (tmp / GGUF_TENSORS).write_text(json.dumps(tensor_table(reader)))
 
     return _write_folder(folder, write)
+
+
+@contextmanager
+def _parsed_once(reader: GGUFReader) -> Iterator[None]:
+    """Within the block, transformers reads the reader's file through that reader, parsed already, and once. Why:
+    for a Llama file transformers parses the header anew (``from gguf import GGUFReader`` in
+    ``load_gguf_checkpoint``) and every value in it, the vocabulary too, to make the config, and again inside
+    ``AutoTokenizer``; with ours, Llama 3's 128k-token vocabulary was parsed three times and read twice, 2/3 of an
+    8B file's first start on an AVX2 machine (43 of 65 s). Those callers only read the reader and the parsed dict."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    made, checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    path, parsed = os.path.realpath(reader.data.filename), []
+
+    def reader_for(file: str | os.PathLike, *args: object, **kwargs: object) -> GGUFReader:
+        if not args and not kwargs and os.path.realpath(file) == path:
+            return reader
+        return made(file, *args, **kwargs)
+
+    def checkpoint_once(file: str | os.PathLike, *args: object, **kwargs: object) -> dict:
+        if args or kwargs.get("return_tensors") or os.path.realpath(file) != path:
+            return checkpoint(file, *args, **kwargs)
+        if not parsed:
+            parsed.append(checkpoint(file, *args, **kwargs))
+        return {key: dict(value) if isinstance(value, dict) else value for key, value in parsed[0].items()}
+
+    gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = reader_for, checkpoint_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = made, checkpoint
 
 
 def gguf_to_folder(gguf_path: Path) -> Path:

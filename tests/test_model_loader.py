@@ -72,3 +72,35 @@ def test_a_cached_folder_made_by_two_processes_at_once_keeps_the_first(tmp_path)
     with pytest.raises(RuntimeError, match="write failed"):
         _write_folder(tmp_path / "other", fails)
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_a_gguf_files_metadata_is_parsed_once_into_the_folder_transformers_alone_makes(tmp_path, monkeypatch):
+    """transformers parses a Llama file's header for the config and again for the tokenizer; the folder is made
+    from one gguf-py parse and one transformers parse, and holds the very bytes it holds without that sharing."""
+    import contextlib
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from engine import model_loader
+
+    parses, checkpoints = [], []
+    build_fields, checkpoint = gguf.GGUFReader._build_fields, gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf.GGUFReader, "_build_fields",
+                        lambda self, *a, **k: parses.append(1) or build_fields(self, *a, **k))
+    counted = lambda *a, **k: checkpoints.append(1) or checkpoint(*a, **k)  # noqa: E731
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    reader_class = gguf.GGUFReader
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "shared"))
+    shared = model_loader.gguf_metadata_folder(default_gguf_path())
+    assert (len(parses), len(checkpoints)) == (1, 1)
+    assert gguf_utils.load_gguf_checkpoint is counted and gguf.GGUFReader is reader_class  # put back as they were
+
+    parses.clear()
+    monkeypatch.setattr(model_loader, "_parsed_once", lambda reader: contextlib.nullcontext())
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "alone"))
+    alone = model_loader.gguf_metadata_folder(default_gguf_path())
+    assert len(parses) == 3
+    names = sorted(p.name for p in shared.iterdir())
+    assert names == sorted(p.name for p in alone.iterdir()) and "tokenizer.json" in names
+    assert all((shared / n).read_bytes() == (alone / n).read_bytes() for n in names)
