@@ -176,7 +176,9 @@ def _parsed_once(reader: GGUFReader) -> Iterator[None]:
     for a Llama file transformers parses the header anew (``from gguf import GGUFReader`` in
     ``load_gguf_checkpoint``) and every value in it, the vocabulary too, to make the config, and again inside
     ``AutoTokenizer``; with ours, Llama 3's 128k-token vocabulary was parsed three times and read twice, 2/3 of an
-    8B file's first start on an AVX2 machine (43 of 65 s). Those callers only read the reader and the parsed dict."""
+    8B file's first start on an AVX2 machine (43 of 65 s). Those callers only read the reader and the parsed dict.
+    NOTE: process-wide while it lasts; the server and ``LLM`` resolve their model before any other thread could
+    read a GGUF file."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
