@@ -44,6 +44,18 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="session")
+def shared_server():
+    """One server of the default model for the modules that ask nothing else of it (a start costs the suite ~10 s on
+    the slow CPUs): at most 64 running requests, bodies up to 4 MiB (test_server_robustness.py tests that limit).
+    Tests on it leave it as they found it: no request running and the pool free."""
+    from tests.server_process import ServerProcess
+
+    s = ServerProcess("--max-num-seqs", "64", "--max-request-body-bytes", "4MiB")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     return str(reference_folder(None))  # transformers' own conversion of the GGUF file, for the comparisons
 

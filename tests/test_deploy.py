@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from server.cli import build_parser
-from tests.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,10 +97,8 @@ def test_dockerfile_lints_clean_and_runs_the_cli():
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--max-model-len", "1024")
-    yield s
-    s.stop()
+def server(shared_server):
+    return shared_server
 
 
 def test_python_clients(server):

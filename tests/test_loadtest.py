@@ -11,7 +11,7 @@ import kernels.cpu as cpu_kernels
 from loadtest.client import send, session
 from loadtest.metrics import RequestRecord, parse_goodput, record_from_timeline, summarize
 from loadtest.serve import main as bench_main
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import free_port
 
 
 def test_record_from_timeline_matches_vllm_definitions():
@@ -115,15 +115,12 @@ async def test_client_times_streams_and_turns_every_failure_into_a_record():
     assert not any(r.success for r in records.values())
 
 
-def test_short_real_sweep_writes_results_and_plots(tmp_path):
-    server = ServerProcess("--max-model-len", "512")
-    try:
-        save = tmp_path / "results.json"
-        bench_main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "24", "--output-len", "6",
-                    "--sweep-concurrency", "1,2", "--save", str(save), "--plot-dir", str(tmp_path / "plots"),
-                    "--goodput", "ttft:60000", "--temperature", "0.7", "--no-progress"])
-    finally:
-        server.stop()
+def test_short_real_sweep_writes_results_and_plots(tmp_path, shared_server):
+    server = shared_server
+    save = tmp_path / "results.json"
+    bench_main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "24", "--output-len", "6",
+                "--sweep-concurrency", "1,2", "--save", str(save), "--plot-dir", str(tmp_path / "plots"),
+                "--goodput", "ttft:60000", "--temperature", "0.7", "--no-progress"])
     results = json.loads(save.read_text())
     assert set(results) == {"config", "servers", "git_commit", "machine", "axis", "points", "table", "plots",
                             "step_profiles"}

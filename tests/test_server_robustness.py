@@ -14,17 +14,15 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from server.api import InternalErrorMiddleware, too_deep
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 BODY_LIMIT = 4 << 20
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--max-request-body-bytes", "4MiB")
-    yield s
-    s.stop()
+def server(shared_server):
+    return shared_server
 
 
 def local_port(r: httpx.Response) -> int:
