@@ -242,7 +242,9 @@ class Scheduler:
         scheduled = sorted((r for r in self.running if r.request_id in num_scheduled),
                            key=lambda r: num_scheduled[r.request_id] != 1)  # batch order (stable: arrival order)
         drafts = {rid: d for rid, d in drafts.items() if rid in num_scheduled}  # minus those preempted since
-        finished, self._gone = self._gone, []
+        finished: list[str] = []
+        if scheduled:  # an empty plan is not run: the runner learns of the requests gone with the next one it runs
+            finished, self._gone = self._gone, []
         return SchedulerOutput(scheduled, num_scheduled, self._new_block_ids(scheduled), finished, preempted, drafts)
 
     def _new_block_ids(self, scheduled: list[Request]) -> dict[str, list[int]]:

@@ -3,8 +3,8 @@
 A tiny random-weight model, a pool small enough to preempt and a step budget small enough to chunk prompts: requests
 (greedy, sampled, with prompt logprobs, with grammars compiling, repeated prompts sharing cached blocks) arrive at
 random, and at random moments random ids are aborted: waiting, compiling, mid-prefill, decoding, preempted, just
-finished, or never known. After every step the block manager's integrity holds; at the end the pool is whole and no
-request is left anywhere.
+finished, or never known. After every step the block manager's integrity holds and the runner holds a block-table
+row for exactly the requests it must; at the end the pool is whole and no request is left anywhere.
 
 The run is the same on every machine: a compile ends after a number of steps the test draws, not when the compile
 thread gets to it (with real threads how many aborts land while compiling depended on the machine's speed).
@@ -121,6 +121,9 @@ def test_thousands_of_aborts_in_every_state_leave_the_pool_whole(tiny_model):
                 finished.add(output.request_id)
         bm.check_integrity()
         assert not set(bm.block_tables) - set(engine.scheduler.requests), "a table outlived its request"
+        # The runner holds a table row for each request it was sent and not yet told is gone.
+        sched = engine.scheduler
+        assert set(engine.model_runner.block_tables.rows) == {*sched._num_sent_blocks, *sched._gone}, "a row leaked"
 
     assert bm.num_free_blocks == bm.num_blocks and not bm.block_tables
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting

@@ -191,6 +191,24 @@ def test_abort_mid_chunked_prefill_frees_blocks():
     bm.check_integrity()
 
 
+def test_requests_gone_before_an_empty_plan_reach_the_runner_with_the_next_plan():
+    """The runner frees a request's block-table row when a plan names it gone. An empty plan is never run, so the
+    names must wait for the next one: dropped, each left a row held, and the runner ran out of rows after
+    ``max_num_seqs`` of them (an engine crash, seen with requests aborted while only grammars were compiling)."""
+    sched, bm = make_scheduler(max_num_seqs=2)
+    gone: list[str] = []
+    for request_id in ("a", "b", "c", "d"):
+        sched.add_request(make(request_id, 3))
+        out, _ = run_step(sched, bm)
+        assert out.num_scheduled_tokens == {request_id: 3} and out.finished_request_ids == gone
+        sched.abort_request(request_id)
+        assert sched.schedule().is_empty  # what the engine plans while it only waits for a grammar
+        gone = [request_id]
+    sched.add_request(make("e", 3))
+    out, _ = run_step(sched, bm)
+    assert out.finished_request_ids == ["d"]
+
+
 def test_prefill_tokens_per_decode_bounds_the_chunks_beside_decodes():
     """A step that decodes carries at most ratio x (decodes + waiting requests it could admit) prompt tokens, never
     under one block; a step with nothing to decode takes the whole budget."""
