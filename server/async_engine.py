@@ -160,8 +160,8 @@ class AsyncEngine:
         rapid = restarted is not None and time.monotonic() - restarted < STABLE_AFTER_S
         self._rapid_deaths = self._rapid_deaths + 1 if rapid else 0
         self.dead_reason = f"{reason}; a new engine is starting, retry shortly"
-        self.metrics.engine_deaths.inc()
-        self.metrics.engine_up.set(0)
+        self.stats = self._idle_stats()
+        self.metrics.engine_died(self.stats)
         error = EngineDeadError(f"{reason}; the request was lost, retry it")
         for queue in set(self._queues.values()):
             queue.put_nowait(error)
@@ -186,7 +186,7 @@ class AsyncEngine:
                 continue
             self.info = info
             self.stats = self._idle_stats()
-            self.metrics.engine_restarted()
+            self.metrics.engine_restarted(self.stats)
             self.metrics.describe_engine(info)
             self._restarted_at = self.last_progress = time.monotonic()
             self.dead_reason = None

@@ -101,13 +101,20 @@ class Metrics:
         if plan.get("peak_gflops"):
             self.gemm_peak_flops.set(plan["peak_gflops"] * 1e9)
 
-    def engine_restarted(self) -> None:
+    def engine_died(self, idle: EngineStats) -> None:
+        """The dead engine's last totals are counted; its requests were failed, so the gauges read ``idle``."""
+        self.engine_deaths.inc()
+        self.engine_up.set(0)
+        self._apply_engine_stats()
+        self._stats = idle
+
+    def engine_restarted(self, idle: EngineStats) -> None:
         """A new engine counts its totals from zero: so do the increments taken from them."""
         self.engine_restarts.inc()
         self.num_restarts += 1
         self.engine_up.set(1)
         self._seen = {}
-        self._stats = None
+        self._stats = idle
 
     def _apply_engine_stats(self) -> None:
         stats = self._stats

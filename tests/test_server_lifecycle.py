@@ -126,6 +126,8 @@ def test_an_engine_killed_mid_request_fails_it_and_is_replaced_and_repeated_deat
             assert health.status_code == 503
             assert "SIGKILL" in health.json()["error"]["message"]
             assert "new engine is starting" in health.json()["error"]["message"]
+            m = server.metrics()  # the lost request is not counted as running, now or once a new engine serves
+            assert (m["harpoon:num_requests_running"], m["harpoon:kv_cache_usage_perc"]) == (0, 0), m
             assert wait_served(url, 90) < 90  # and the server goes on, on a new engine
         assert len(set(pids + [server.engine_pid()])) == 3
         m = server.metrics()
