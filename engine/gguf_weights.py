@@ -25,6 +25,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import Q4_K
 
+from engine.gguf_reader import FastGGUFReader
 from engine.models.quantized import FileBlocks, QuantizedWeight, drop_pages
 
 Q = GGMLQuantizationType
@@ -213,7 +214,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, table: dict 
     memory map (a backend packs them from there), dense types read as tensors. ``table``: the file's
     ``tensor_table``, where it was kept; else gguf-py parses the header."""
     if table is None:
-        table = tensor_table(GGUFReader(path))
+        table = tensor_table(FastGGUFReader(path))
     arch = table["architecture"]
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for name, type_id, shape, offset, n_bytes in table["tensors"]:

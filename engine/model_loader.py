@@ -16,6 +16,7 @@ Comparisons with transformers (tests, benchmarks) load its own fp32 conversion o
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import importlib.util
 import json
@@ -143,13 +144,13 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, folder)
-    from gguf import GGUFReader
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from engine.gguf_reader import FastGGUFReader
     from engine.gguf_weights import ROPE_FREQS, tensor_table
 
-    reader = GGUFReader(str(gguf_path))  # parsed once here: a 128k-token vocabulary takes gguf-py 4-12 s
+    reader = FastGGUFReader(str(gguf_path))  # parsed once here
     with _parsed_once(reader):
         tokenizer = _gguf_tokenizer(gguf_path, reader)
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -177,12 +178,13 @@ def _parsed_once(reader: GGUFReader) -> Iterator[None]:
     ``load_gguf_checkpoint``) and every value in it, the vocabulary too, to make the config, and again inside
     ``AutoTokenizer``; with ours, Llama 3's 128k-token vocabulary was parsed three times and read twice, 2/3 of an
     8B file's first start on an AVX2 machine (43 of 65 s). Those callers only read the reader and the parsed dict.
-    NOTE: process-wide while it lasts; the server and ``LLM`` resolve their model before any other thread could
-    read a GGUF file."""
+    Loading the weights, transformers also asks gguf-py for the same tensor-name table once per module (397 times
+    for SmolLM2, ~4 s): within the block the table is made once. NOTE: process-wide while it lasts; the server and
+    ``LLM`` resolve their model before any other thread could read a GGUF file."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    made, checkpoint = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    made, checkpoint, name_map = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint, gguf.get_tensor_name_map
     path, parsed = os.path.realpath(reader.data.filename), []
 
     def reader_for(file: str | os.PathLike, *args: object, **kwargs: object) -> GGUFReader:
@@ -198,10 +200,11 @@ def _parsed_once(reader: GGUFReader) -> Iterator[None]:
         return {key: dict(value) if isinstance(value, dict) else value for key, value in parsed[0].items()}
 
     gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = reader_for, checkpoint_once
+    gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = made, checkpoint
+        gguf.GGUFReader, gguf_utils.load_gguf_checkpoint, gguf.get_tensor_name_map = made, checkpoint, name_map
 
 
 def gguf_to_folder(gguf_path: Path) -> Path:
@@ -213,11 +216,14 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     logger.info("converting %s to %s (once; later loads are fast)", gguf_path, folder)
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = _gguf_tokenizer(gguf_path)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                    dtype=torch.float32)
+    from engine.gguf_reader import FastGGUFReader
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_metadata_folder(gguf_path))  # converted there already
+    with _parsed_once(FastGGUFReader(str(gguf_path))):  # its config and its weights: one parse of the file, not four
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                        dtype=torch.float32)
 
     def write(tmp: Path) -> None:
         tokenizer.save_pretrained(tmp)
@@ -248,9 +254,9 @@ def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path,
     """Take the BOS/EOS/PAD/UNK tokens from the file's own metadata (``reader``: the file already parsed). Some
     transformers releases (5.17 among them) convert the default model's tokenizer with ``<|im_start|>`` as its EOS
     although the file names ``<|im_end|>``, and the tokenizer's EOS is one of the tokens a request stops at."""
-    from gguf import GGUFReader
+    from engine.gguf_reader import FastGGUFReader
 
-    fields = (reader or GGUFReader(str(gguf_path))).fields
+    fields = (reader or FastGGUFReader(str(gguf_path))).fields
     for attr, key in _GGUF_SPECIAL_TOKENS.items():
         field = fields.get(f"tokenizer.ggml.{key}")
         if field is not None:

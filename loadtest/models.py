@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import GGML_QUANT_SIZES
+
+from engine.gguf_reader import FastGGUFReader
 
 Q = GGMLQuantizationType
 
@@ -118,7 +120,7 @@ def _dims(shape: Shape, name: str) -> tuple[int, int]:
 def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
     from engine.model_loader import default_gguf_path
 
-    source = GGUFReader(default_gguf_path())
+    source = FastGGUFReader(default_gguf_path())
     field = lambda key: source.fields[key].contents()  # noqa: E731
     tokens, types = list(field("tokenizer.ggml.tokens")), list(field("tokenizer.ggml.token_type"))
     pad = vocab - len(tokens)
