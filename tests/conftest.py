@@ -52,7 +52,7 @@ def shared_server():
 
     s = ServerProcess("--max-num-seqs", "64", "--max-request-body-bytes", "4MiB")
     yield s
-    s.stop()
+    s.stop_checking_the_engine_never_died()
 
 
 @pytest.fixture(scope="session")

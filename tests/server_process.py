@@ -78,6 +78,13 @@ class ServerProcess:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
 
+    def stop_checking_the_engine_never_died(self) -> None:
+        """Stop; fail if the engine died while the server ran. A restart keeps a server serving, so without this a
+        crash that a test's requests caused (a bug, not the test's subject) would go unseen."""
+        deaths = self.metrics()["harpoon:engine_deaths_total"]
+        self.stop()
+        assert deaths == 0, f"the engine died {deaths:.0f} times while the tests ran:\n{self.log.read_text()[-3000:]}"
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

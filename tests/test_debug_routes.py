@@ -134,7 +134,7 @@ def test_the_kv_view_counts_every_block_once_and_shows_shared_prefixes(tiny_mode
 def server():
     s = ServerProcess("--enable-debug-routes", "--request-timelines", "5", "--api-key", "k")
     yield s
-    s.stop()
+    s.stop_checking_the_engine_never_died()
 
 
 def test_debug_routes_serve_a_requests_timeline_and_the_pool(server):

@@ -22,7 +22,7 @@ def server():
     s = ServerProcess("--speculative-config", '{"num_speculative_tokens": 4, "disable_by_batch_size": null}',
                       "--max-num-batched-tokens", "128", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
-    s.stop()
+    s.stop_checking_the_engine_never_died()
 
 
 @pytest.fixture(scope="module")
