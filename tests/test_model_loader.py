@@ -83,6 +83,7 @@ def test_a_gguf_files_metadata_is_parsed_once_into_the_folder_transformers_alone
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     from engine import model_loader
+    from engine.gguf_reader import FastGGUFReader
 
     parses, checkpoints = [], []
     build_fields, checkpoint = gguf.GGUFReader._build_fields, gguf_utils.load_gguf_checkpoint
@@ -98,6 +99,9 @@ def test_a_gguf_files_metadata_is_parsed_once_into_the_folder_transformers_alone
 
     parses.clear()
     monkeypatch.setattr(model_loader, "_parsed_once", lambda reader: contextlib.nullcontext())
+    # transformers' own parses through the faster reader (the same fields: tests/test_gguf_reader.py); gguf-py's
+    # took ~4 s each of them here
+    monkeypatch.setattr(gguf, "GGUFReader", FastGGUFReader)
     monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "alone"))
     alone = model_loader.gguf_metadata_folder(default_gguf_path())
     assert len(parses) == 3
