@@ -35,6 +35,8 @@ class BlockTables:
         for request_id, block_ids in new_block_ids.items():
             row = self.rows.get(request_id)
             if row is None:
+                if not self._free_rows:  # the scheduler runs at most that many: a gone request's row was never freed
+                    raise RuntimeError(f"no block-table row left for {request_id!r}: all {len(self.table)} are held")
                 row = self.rows[request_id] = self._free_rows.pop()
             start = self.num_blocks[row]
             if block_ids:

@@ -68,3 +68,18 @@ def test_integrity_check_catches_corruption():
 def test_pool_needs_a_block():
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=16)
+
+
+def test_the_runners_block_tables_free_reuse_and_refuse_rows():
+    """Rows go back zeroed when a plan names their request gone, are reused, and a request beyond the rows is a
+    clear error, not an IndexError."""
+    from engine.block_table import BlockTables
+
+    tables = BlockTables(2, 4)
+    tables.update([], {"a": [3, 1], "b": [2]})
+    tables.update([], {"a": [5]})
+    assert tables.gather(["b", "a"]).tolist() == [[2, 0, 0], [3, 1, 5]]
+    with pytest.raises(RuntimeError, match="no block-table row left for 'c': all 2 are held"):
+        tables.update([], {"c": [7]})
+    tables.update(["a"], {"c": [7]})
+    assert tables.gather(["c"]).tolist() == [[7]] and tables.table[tables.rows["c"]].tolist() == [7, 0, 0, 0]
