@@ -85,7 +85,7 @@ class Scheduler:
         self._next_index = 0
         self.num_preemptions = 0
         self._num_sent_blocks: dict[str, int] = {}  # per request the runner holds, the table entries it was sent
-        self._gone: list[str] = []  # requests the runner held that left since the last plan
+        self._gone: list[str] = []  # requests the runner held that left since the last plan it ran
         self.num_draft_tokens = 0  # speculative decoding: drafts verified so far, and how many of them were kept
         self.num_accepted_tokens = 0
 
