@@ -88,9 +88,9 @@ def test_ngram_speculation_matches_transformers(kind, backend, max_new, tiny_mod
     llm.engine.block_manager.check_integrity()
 
 
-def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_args):
-    """(token ids, logprobs) per prompt with the C decoder on, then off, and the query lengths it was given."""
-    results, query_lens = [], []
+def _with_and_without_cpu_decoder(folder, **engine_args) -> tuple[list[LLM], list[int]]:
+    """Two engines on ``folder``, the C decoder on, then off, and the query lengths the decoder is given."""
+    llms, query_lens = [], []
     for use_decoder in (True, False):
         llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, attention_backend="cpu", gemm_kernels="c",
                   **{"max_num_batched_tokens": 256, **engine_args})  # a budget given: no start-up timing
@@ -103,9 +103,18 @@ def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_arg
             return decoder(x, positions, *args)
 
         backend.decoder = counted if use_decoder else None
-        outs = llm.generate(prompts, params)
-        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
-    return results, query_lens
+        llms.append(llm)
+    return llms, query_lens
+
+
+def _tokens_and_logprobs(llm: LLM, prompts, params) -> list:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+def _generate_with_and_without_cpu_decoder(folder, prompts, params, **engine_args):
+    """(token ids, logprobs) per prompt with the C decoder on, then off, and the query lengths it was given."""
+    llms, query_lens = _with_and_without_cpu_decoder(folder, **engine_args)
+    return [_tokens_and_logprobs(llm, prompts, params) for llm in llms], query_lens
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
@@ -143,9 +152,11 @@ def test_cpu_decoder_takes_long_chunks_within_the_context_limit(kind, tiny_model
     monkeypatch.setattr(cpu_backend, "DECODER_MAX_PREFILL_CONTEXT", 80)
     rng = random.Random(4)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=4)
+    llms, query_lens = _with_and_without_cpu_decoder(tiny_model(kind))  # one pair for the three prompts
     for n, through_decoder in ((70, True), (80, True), (81, False)):
         prompt = [rng.randrange(3, 512) for _ in range(n)]
-        (fast, slow), query_lens = _generate_with_and_without_cpu_decoder(tiny_model(kind), [prompt], params)
+        query_lens.clear()
+        fast, slow = (_tokens_and_logprobs(llm, [prompt], params) for llm in llms)
         assert (n in query_lens) is through_decoder
         assert query_lens.count(1) == 7, "the decodes took the decoder either way"
         _assert_same_tokens_close_logprobs(fast, slow)
