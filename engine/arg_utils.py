@@ -69,7 +69,8 @@ _HELP = {
     "on CPUs with VNNI, logprobs differ slightly)",
     "tensor_parallel_size": "split every layer over N ranks, one process each (on a CPU the cores are shared out "
     "between them; on CUDA one GPU each); the model's heads, KV heads and MLP width must divide evenly",
-    "gemm_kernels": "CPU products: auto (the faster family, timed at start-up), c (Harpoon's panels), onednn",
+    "gemm_kernels": "CPU products: auto (the faster family, timed at start-up), c (Harpoon's panels) or onednn, "
+                    "untimed",
     "speculative_config": "n-gram speculative decoding for greedy requests, as JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
     '"disable_by_batch_size": 4}\' (the keys are optional; these are the defaults); off by default',

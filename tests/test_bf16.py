@@ -468,3 +468,14 @@ def test_a_dtype_onednn_cannot_pack_leaves_it_out_of_the_plan(monkeypatch):
     assert set(plan.gflops) == {"c"} and set(plan.choice) == {"c"}
     with pytest.raises(ValueError, match="no oneDNN linear .* for torch.bfloat16 on this CPU"):
         gemm_plan.measure_plan([weight], lambda w: lambda x: x @ w.float().T, torch.bfloat16, family="onednn")
+
+
+def test_a_family_the_user_chose_is_not_timed():
+    import engine.backends.gemm_plan as gemm_plan
+
+    def untimed(weight):
+        raise AssertionError("a product was packed for timing")
+
+    for family in ("c", "onednn") if gemm_plan.library_available(torch.float32) else ("c",):
+        plan = gemm_plan.measure_plan([torch.randn(32, 64)], untimed, torch.float32, family=family)
+        assert plan.choice == (family,) * len(plan.buckets) and plan.gflops == {}

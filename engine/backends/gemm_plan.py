@@ -161,7 +161,11 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
 def c_panels_plan(dtype: torch.dtype) -> GemmPlan:
     """The plan of a GGUF file's quantized weights, which only the C panels take: nothing to choose, so nothing is
     timed (timing an 8B model's first layer for the record took ~5 s of its start-up)."""
-    plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, ("c",) * len(M_BUCKETS), {})
+    return _untimed_plan(dtype, "c")
+
+
+def _untimed_plan(dtype: torch.dtype, family: str) -> GemmPlan:
+    plan = GemmPlan(cpu_isa(), str(dtype).removeprefix("torch."), M_BUCKETS, (family,) * len(M_BUCKETS), {})
     logger.info(plan.describe())
     return plan
 
@@ -170,11 +174,13 @@ def measure_plan(weights: list[torch.Tensor], c_kernel: Callable[[torch.Tensor],
                  dtype: torch.dtype, family: str = "auto") -> GemmPlan:
     """Time both families on ``weights`` ([N, K] in the model's dtype; the first layer's projections).
     ``c_kernel(weight)`` packs one as the model does and returns its product ``x -> y``. ``family``: "auto" takes
-    the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice (still timed, for the
-    record)."""
+    the library where it wins by ``LIBRARY_MARGIN``; "c" or "onednn" is the user's choice, which is not timed (as
+    ``c_panels_plan``: nothing to choose; the timing took ~1 s of every start, even a tiny model's)."""
     if family == "onednn" and not library_available(dtype):
         raise ValueError(f"gemm_kernels=onednn, but this torch has no oneDNN linear (torch.ops.mkldnn) for {dtype} on "
                          "this CPU")
+    if family != "auto":
+        return _untimed_plan(dtype, family)
     flops = [2 * w.shape[0] * w.shape[1] for w in weights]
     candidates = {"c": [c_kernel(w) for w in weights]}
     if library_available(dtype):
