@@ -315,19 +315,32 @@ def tokenizer_eos_id(files: ModelFiles) -> int | None:
     engine process needs only for a request's grammar (``EngineCore.tokenizer``). Where the files do not say, the
     tokenizer is built and asked."""
     try:
-        eos = json.loads((files.path / "tokenizer_config.json").read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
-            table = json.loads((files.path / "tokenizer.json").read_text())
-            found = {t["content"]: t["id"] for t in table.get("added_tokens", [])}.get(eos)
-            vocab = table.get("model", {}).get("vocab")
-            if found is None and isinstance(vocab, dict):
-                found = vocab.get(eos)
-            if isinstance(found, int):
-                return found
+        stamps = tuple((s.st_mtime_ns, s.st_size) for s in ((files.path / f).stat() for f in _TOKENIZER_FILES))
+        found = _eos_in_files(files.path, stamps)
+        if found is not None:
+            return found
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return load_tokenizer(files).eos_token_id
+
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+@functools.lru_cache(maxsize=16)
+def _eos_in_files(folder: Path, stamps: tuple) -> int | None:
+    """The EOS id the files give, once per version of them (``stamps``) in a process: ``tokenizer.json`` is
+    megabytes of JSON (0.45 s for SmolLM2's), and the tests build engines on one folder by the dozen."""
+    eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    table = json.loads((folder / "tokenizer.json").read_text())
+    found = {t["content"]: t["id"] for t in table.get("added_tokens", [])}.get(eos)
+    vocab = table.get("model", {}).get("vocab")
+    if found is None and isinstance(vocab, dict):
+        found = vocab.get(eos)
+    return found if isinstance(found, int) else None
 
 
 def _generation_config_eos(files: ModelFiles) -> int | list[int] | None:
