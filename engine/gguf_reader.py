@@ -5,7 +5,7 @@ its ``np.memmap``; numpy's memmap subclass makes each slice and view cost ~5 us 
 128k tokens and the merges are ~700k slices: 6.3 s on an AVX2 EPYC, 3.6 s for SmolLM2's 49k-token vocabulary, paid
 at a GGUF's first start and by every comparison with transformers. The same slices taken from a plain ndarray view
 of the same mapping give the same fields and tensors (same parts, dtypes and values; ``tests/test_gguf_reader.py``),
-~4x sooner. Only ``_get`` changes; ``data`` is still the memmap, ``data.filename`` included.
+4-5x sooner. Only ``_get`` changes; ``data`` is still the memmap, ``data.filename`` included.
 """
 
 from __future__ import annotations
