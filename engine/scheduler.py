@@ -118,6 +118,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def runner_rows(self) -> set[str]:
+        """The requests whose block-table rows the runner holds as of the plans run so far: those it was sent, and
+        those gone since the last plan it ran (it frees their rows when the next one names them)."""
+        return {*self._num_sent_blocks, *self._gone}
+
     def _key(self, request: Request) -> int:
         return self._arrival_index[request.request_id]
 

@@ -121,9 +121,7 @@ def test_thousands_of_aborts_in_every_state_leave_the_pool_whole(tiny_model):
                 finished.add(output.request_id)
         bm.check_integrity()
         assert not set(bm.block_tables) - set(engine.scheduler.requests), "a table outlived its request"
-        # The runner holds a table row for each request it was sent and not yet told is gone.
-        sched = engine.scheduler
-        assert set(engine.model_runner.block_tables.rows) == {*sched._num_sent_blocks, *sched._gone}, "a row leaked"
+        assert set(engine.model_runner.block_tables.rows) == engine.scheduler.runner_rows(), "a row leaked"
 
     assert bm.num_free_blocks == bm.num_blocks and not bm.block_tables
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
