@@ -240,7 +240,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     return _write_folder(folder, write)
 
 
-def _gguf_tokenizer(gguf_path: Path, reader: GGUFReader | None = None) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(gguf_path: Path, reader: GGUFReader) -> PreTrainedTokenizerBase:
     """transformers' conversion of the file's tokenizer, with the file's own special tokens."""
     from transformers import AutoTokenizer
 
