@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import Q4_K
 
 from engine.gguf_reader import FastGGUFReader
-from engine.models.quantized import FileBlocks, QuantizedWeight, drop_pages
+from engine.models.quantized import FileBlocks, QuantizedWeight
+from kernels.cpu.pages import drop_pages
 
 Q = GGMLQuantizationType
 DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}

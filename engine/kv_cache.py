@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.models.llama import head_dim_of, num_kv_heads_of
+from kernels.cpu.pages import HUGE_PAGE
 from kernels.kv_int8 import SCALE_BYTES, row_width
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ def available_memory(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
-
-HUGE_PAGE = 2 << 20
 
 
 def host_pools(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, list[torch.Tensor]]:

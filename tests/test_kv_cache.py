@@ -3,25 +3,12 @@ of their own (engine/kv_cache.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from engine.kv_cache import HUGE_PAGE, KVCache, KVCacheSpec, host_pools
-
-
-def huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds ``address``."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+from engine.kv_cache import KVCache, KVCacheSpec, host_pools
+from kernels.cpu.pages import HUGE_PAGE
+from tests.test_pages import THP_OFF, smaps_field
 
 
 def test_the_pools_are_zeroed_disjoint_views_of_one_mapping():
@@ -36,11 +23,10 @@ def test_the_pools_are_zeroed_disjoint_views_of_one_mapping():
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
 
 
-@pytest.mark.skipif("[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-                    reason="transparent huge pages are off on this machine")
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off on this machine")
 def test_a_cpu_kv_cache_lies_on_huge_pages():
     spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     cache = KVCache(spec, num_blocks=2048, device=torch.device("cpu"))  # 4 pools of 12 MiB
     k0 = cache.layers[0][0]
     assert sum(t.nbytes for pair in cache.layers for t in pair) == cache.num_bytes
-    assert huge_bytes_at(k0.data_ptr()) >= 0.9 * cache.num_bytes
+    assert smaps_field(k0.data_ptr(), "AnonHugePages") >= 0.9 * cache.num_bytes

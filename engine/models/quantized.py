@@ -12,12 +12,12 @@ the products), which spares 0.16 bytes a weight over the per-32 forms.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kernels.cpu.pages import drop_pages
 
 GROUP = 32  # inputs per block of every form
 SUPER = 256  # inputs per super-block of the K-quant kinds
@@ -271,15 +271,3 @@ def stack(parts: list[Blocks]) -> Blocks:
         if len(runs) == 2:
             return SplitBlocks(FileBlocks.cat(runs[0]), FileBlocks.cat(runs[1]))
     return QuantizedWeight.cat([p.decoded() for p in parts])
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def drop_pages(address: int, size: int) -> None:
-    """madvise(MADV_DONTNEED) over the pages wholly inside [address, address + size) of a file's read-only mapping:
-    they are read again from the page cache if touched. Advice only, so errors pass."""
-    page = mmap.PAGESIZE
-    start, end = -(-address // page) * page, (address + size) // page * page
-    if hasattr(mmap, "MADV_DONTNEED") and end > start:
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)

@@ -28,6 +28,7 @@ import torch
 
 from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
+from kernels.cpu.pages import empty_on_huge_pages
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
@@ -159,7 +160,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     n, k = weight.shape
     panel = _library().hp_panel_width()
-    packed = torch.empty(cdiv(n, panel), k, panel, dtype=torch.float32)
+    packed = empty_on_huge_pages(cdiv(n, panel), k, panel, dtype=torch.float32)
     _library().hp_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
@@ -240,7 +241,7 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
         raise ValueError(f"ggml type {ggml_type}: {in_features} inputs are not whole blocks of {per}")
     shape = (cdiv(n, width), in_features // per, block_bytes // dtype.itemsize)
     if out is None:
-        out = torch.empty(shape, dtype=dtype)
+        out = empty_on_huge_pages(*shape, dtype=dtype)
     elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of {shape}")
     written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
@@ -265,8 +266,8 @@ def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> t
     if "amx" not in bf16_dots():
         raise ValueError("Q4A, Q6A and Q8A panels need AMX tiles, which this CPU or build lacks")
     rows = rows.to(torch.int64).contiguous()
-    out = torch.empty(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP, 2 * WIDENED_TILE_BYTES[dtype],
-                      dtype=dtype)
+    out = empty_on_huge_pages(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP,
+                              2 * WIDENED_TILE_BYTES[dtype], dtype=dtype)
     written = _library().hp_pack_gguf_widened(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")

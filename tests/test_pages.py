@@ -1,0 +1,59 @@
+"""Advice on a host buffer's pages (kernels/cpu/pages.py): the weights' panels on 2 MiB pages, a file mapping's pages
+handed back once read."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.cpu.pages import HUGE_PAGE, drop_pages, empty_on_huge_pages
+
+THP_OFF = "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+
+
+def smaps_field(address: int, field: str) -> int:
+    """Bytes of ``field`` (AnonHugePages, Rss) of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == f"{field}:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off on this machine")
+def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
+    out = empty_on_huge_pages(3, 4 << 20, dtype=torch.float32)  # 48 MiB
+    assert out.shape == (3, 4 << 20) and out.dtype == torch.float32
+    out.fill_(1.0)
+    start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the advice splits the mapping: its middle holds these
+    inside = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE - start
+    assert smaps_field(start, "AnonHugePages") >= 0.9 * inside
+    if "[always]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        plain = torch.empty(3, 4 << 20, dtype=torch.float32)  # the same without the advice
+        plain.fill_(1.0)
+        assert smaps_field(-(-plain.data_ptr() // HUGE_PAGE) * HUGE_PAGE, "AnonHugePages") == 0
+
+
+def test_a_small_tensor_is_a_plain_empty_tensor():
+    out = empty_on_huge_pages(5, 7, dtype=torch.int16)
+    assert out.shape == (5, 7) and out.dtype == torch.int16 and out.is_contiguous()
+
+
+def test_dropped_pages_of_a_file_mapping_leave_this_process_and_read_back_the_same(tmp_path):
+    path = tmp_path / "blocks.bin"
+    data = np.random.default_rng(0).integers(0, 256, 64 * mmap.PAGESIZE, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    assert int(mapped.sum()) == int(data.sum())  # every page touched
+    resident = smaps_field(mapped.ctypes.data, "Rss")
+    drop_pages(mapped.ctypes.data + 100, 32 * mmap.PAGESIZE)  # pages wholly inside: 31 of them
+    assert smaps_field(mapped.ctypes.data, "Rss") == resident - 31 * mmap.PAGESIZE
+    assert np.array_equal(mapped, data)
