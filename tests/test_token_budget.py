@@ -6,8 +6,10 @@ from engine import LLM, SamplingParams
 from engine.backends.start_up import (
     MAX_CPU_TOKEN_BUDGET,
     MIN_CPU_TOKEN_BUDGET,
+    SHORT_PROBE_TOKENS,
     cpu_token_budget,
     fixed_tokens,
+    size_cpu_token_budget,
     warm_up_bursts,
 )
 
@@ -72,3 +74,26 @@ def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0
     assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("ms_per_token", "long_probes"),
+                         [(200.0, False), (20.0, False), (10.0, True), (5.0, True), (1.5, True)])
+def test_only_a_model_too_slow_for_more_than_the_smallest_budget_skips_the_long_probes(tiny_model, monkeypatch,
+                                                                                        ms_per_token, long_probes):
+    """A short step slower per token than SHORT_PROBE_MARGIN x the smallest budget's share of the target step (an 8B
+    model on 2 cores: ~150 ms) settles the budget at the smallest; a faster one (the default model: ~2.4 ms at 8
+    tokens) is timed with long steps. Step times are made up here: t(n) = n x ms_per_token."""
+    llm = LLM(str(tiny_model("llama-gqa-tied")), kv_cache_memory=4 << 20, max_num_batched_tokens=128)
+    engine, lengths = llm.engine, []
+
+    def timed(key: int, num_prompts: int, length: int, **_: object) -> float:
+        lengths.append(length)
+        return length * ms_per_token / 1000
+
+    monkeypatch.setattr(engine, "serve_made_up_prompts", timed)
+    size_cpu_token_budget(engine)
+    assert lengths[:2] == [1, SHORT_PROBE_TOKENS]
+    assert (max(lengths) > SHORT_PROBE_TOKENS) == long_probes
+    assert engine.max_num_batched_tokens == cpu_token_budget(ms_per_token / 1000)
+    if not long_probes:
+        assert engine.max_num_batched_tokens == MIN_CPU_TOKEN_BUDGET and engine.scheduler.step_fixed_tokens == 0
