@@ -60,7 +60,6 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-
 def host_pools(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, list[torch.Tensor]]:
     """``count`` zeroed host tensors of ``shape`` in one private anonymous mapping, advised onto 2 MiB pages before
     anything touches it, returned with the mapping, which must outlive them. Why: a decode step reads each sequence's
