@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import mmap
 from dataclasses import dataclass
 
@@ -11,10 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.models.llama import head_dim_of, num_kv_heads_of
-from kernels.cpu.pages import HUGE_PAGE
+from kernels.cpu.pages import HUGE_PAGE, advise_huge_pages
 from kernels.kv_int8 import SCALE_BYTES, row_width
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,11 +69,7 @@ def host_pools(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
     mapping = mmap.mmap(-1, count * each + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
     buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE  # the pools from a 2 MiB boundary, so whole huge pages cover them
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError as e:  # a kernel built without transparent huge pages
-            logger.debug("KV pool: no 2 MiB pages (%s)", e)
+    advise_huge_pages(buffer.data_ptr(), buffer.nbytes)
     pools = [buffer[start + i * each: start + i * each + torch.Size(shape).numel() * dtype.itemsize]
              .view(dtype).view(shape) for i in range(count)]
     for pool in pools:  # written now, as torch.zeros would: the pool is resident from the start, not at the first OOM

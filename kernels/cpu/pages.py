@@ -24,14 +24,18 @@ def _advise(start: int, end: int, advice: int) -> None:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
 
-def empty_on_huge_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape)`` with the 2 MiB pages wholly inside it advised onto huge pages before it is written
-    (a fresh allocation this large is fresh pages from the kernel, so the advice takes at its first touch)."""
-    out = torch.empty(shape, dtype=dtype)
+def advise_huge_pages(address: int, size: int) -> None:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB pages wholly inside [address, address + size) of anonymous memory: the
+    pages not yet touched there fault in as huge pages. Advice only, so errors pass."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        address = out.data_ptr()
-        _advise(-(-address // HUGE_PAGE) * HUGE_PAGE, (address + out.nbytes) // HUGE_PAGE * HUGE_PAGE,
-                mmap.MADV_HUGEPAGE)
+        _advise(-(-address // HUGE_PAGE) * HUGE_PAGE, (address + size) // HUGE_PAGE * HUGE_PAGE, mmap.MADV_HUGEPAGE)
+
+
+def empty_on_huge_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape)`` advised onto huge pages before it is written (a fresh allocation this large is fresh
+    pages from the kernel, so the advice takes at its first touch)."""
+    out = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(out.data_ptr(), out.nbytes)
     return out
 
 
