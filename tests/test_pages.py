@@ -12,7 +12,8 @@ import torch
 
 from kernels.cpu.pages import HUGE_PAGE, drop_pages, empty_on_huge_pages
 
-THP_OFF = "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()  # e.g. "always [madvise] never"
+THP_OFF = "[never]" in _THP_MODE
 
 
 def smaps_field(address: int, field: str) -> int:
@@ -36,7 +37,7 @@ def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
     start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the advice splits the mapping: its middle holds these
     inside = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE - start
     assert smaps_field(start, "AnonHugePages") >= 0.9 * inside
-    if "[always]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+    if "[always]" not in _THP_MODE:
         plain = torch.empty(3, 4 << 20, dtype=torch.float32)  # the same without the advice
         plain.fill_(1.0)
         assert smaps_field(-(-plain.data_ptr() // HUGE_PAGE) * HUGE_PAGE, "AnonHugePages") == 0

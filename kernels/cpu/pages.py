@@ -19,7 +19,9 @@ HUGE_PAGE = 2 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _advise(start: int, end: int, advice: int) -> None:
+def _advise_inside(address: int, size: int, page: int, advice: int) -> None:
+    """madvise(``advice``) over the ``page``-sized pages wholly inside [address, address + size)."""
+    start, end = -(-address // page) * page, (address + size) // page * page
     if end > start:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
@@ -28,7 +30,7 @@ def advise_huge_pages(address: int, size: int) -> None:
     """madvise(MADV_HUGEPAGE) over the 2 MiB pages wholly inside [address, address + size) of anonymous memory: the
     pages not yet touched there fault in as huge pages. Advice only, so errors pass."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        _advise(-(-address // HUGE_PAGE) * HUGE_PAGE, (address + size) // HUGE_PAGE * HUGE_PAGE, mmap.MADV_HUGEPAGE)
+        _advise_inside(address, size, HUGE_PAGE, mmap.MADV_HUGEPAGE)
 
 
 def empty_on_huge_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -42,6 +44,5 @@ def empty_on_huge_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def drop_pages(address: int, size: int) -> None:
     """madvise(MADV_DONTNEED) over the pages wholly inside [address, address + size) of a file's read-only mapping:
     they are read again from the page cache if touched. Advice only, so errors pass."""
-    page = mmap.PAGESIZE
     if hasattr(mmap, "MADV_DONTNEED"):
-        _advise(-(-address // page) * page, (address + size) // page * page, mmap.MADV_DONTNEED)
+        _advise_inside(address, size, mmap.PAGESIZE, mmap.MADV_DONTNEED)
