@@ -267,6 +267,12 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
                                                                    "WORKTREE (bfloat16 pool)"]
     with pytest.raises(SystemExit):
         kernel_ab_main(["WORKTREE", "--format", "fp32,q3"])
+    with pytest.raises(SystemExit):  # SmolLM2's 576 inputs are no whole K-quant super-block
+        kernel_ab_main(["WORKTREE", "--format", "q4_k"])
+    kernel_ab_main(["WORKTREE", "--format", "q8_0", "--int8-activations", "--rows", "2", "--seqs", "1", "--context",
+                    "1", "--rounds", "1"])  # a GGUF file's blocks, in the panels the engine packs them into
+    assert "GEMMs of one step (30 layers and the LM head, q8_0 panels, int8 activations), 2 rows" in \
+        capsys.readouterr().out
     from kernels import cpu
 
     if "amx" in cpu.bf16_dots():  # BF16A against Q4A panels, interleaved, each a row of the one table

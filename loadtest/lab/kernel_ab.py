@@ -15,6 +15,8 @@ from DRAM too.
     python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4 --int8-activations --rows 1,64 --seqs 1  # int8 products
     python -m loadtest.lab.kernel_ab HEAD WORKTREE --format amx --rows 16,64,128 --seqs 1  # BF16A panels on AMX tiles
     python -m loadtest.lab.kernel_ab WORKTREE --format amx,q4a --rows 1,16,64 --seqs 1    # against Q4A panels
+    python -m loadtest.lab.kernel_ab HEAD WORKTREE --shape llama-3.2-1b --format q4_k,q6_k --int8-activations \
+        --rows 1,4,16 --seqs 1 --context 1                                                   # a GGUF file's K-quants
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
@@ -22,7 +24,9 @@ code, so the variants must read the same layout; ``amx`` is bfloat16 weights in 
 products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 blocks in Q4A panels. Several formats
 (``--format amx,q4a``) are timed each with each variant, interleaved. ``--kv-dtype`` lists the K/V pool types to
 time the attention with (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before
-int8 pools cannot read them: time int8 with revisions that have it).
+int8 pools cannot read them: time int8 with revisions that have it). The formats named for GGUF block types
+(``q4_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``) in the panels the engine
+packs a file's blocks into; K-quants need ``--shape llama-3.2-1b`` (SmolLM2's 576 inputs are no whole super-block).
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from engine.backends.cpu import _pack_quantized
+from engine.gguf_weights import decode_rows
 from kernels import cdiv, kv_int8
 from kernels.cpu import (
     _FLAGS,
@@ -57,13 +65,15 @@ from kernels.cpu import (
     pack_weight_q4a,
 )
 from loadtest.lab.compact_gemm import GRIDS
+from loadtest.models import random_blocks
 
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """SmolLM2-135M: per layer fused q/k/v, o, fused gate/up and down projections; then the tied LM head."""
+    """A model's shapes, SmolLM2-135M's by default: per layer fused q/k/v, o, fused gate/up and down projections;
+    then the tied LM head."""
 
     hidden: int = 576
     intermediate: int = 1536
@@ -103,7 +113,12 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     return declare(ctypes.CDLL(str(lib)))
 
 
-FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS))
+SHAPES = {"smollm2-135m": Shapes(),
+          "llama-3.2-1b": Shapes(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256,
+                                 layers=16)}
+BLOCK_TYPES = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K,
+               "q8_0": GGMLQuantizationType.Q8_0}
+FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS), *BLOCK_TYPES)
 
 
 def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
@@ -119,6 +134,10 @@ def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
             q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
             d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
             weight = pack_weight_q4a(q, d, -8 * d)
+        elif fmt in BLOCK_TYPES:
+            seed = int(torch.randint(2**31, (1,), generator=gen))
+            blocks = random_blocks(np.random.default_rng(seed), n, k, BLOCK_TYPES[fmt])
+            weight = _pack_quantized(decode_rows(BLOCK_TYPES[fmt], k, torch.from_numpy(blocks)))
         elif fmt in ("amx", "q4a"):
             weight = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
         else:
@@ -217,20 +236,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--format", default="fp32", help=f"the weights' panels, one or more of {', '.join(FORMATS)}")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="the model whose step is timed")
     p.add_argument("--kv-dtype", default="float32", help="K/V pool types for the attention: float32, bfloat16, int8")
     p.add_argument("--int8-activations", action="store_true",
-                   help="block panels (--format q4, q8) multiply activations rounded to int8 (--quantized-matmul int8)")
+                   help="block panels (--format q4, q8, q4_k, ...) multiply activations rounded to int8 "
+                        "(--quantized-matmul int8)")
     args = p.parse_args(argv)
     formats = args.format.split(",")
     if set(formats) - set(FORMATS):
         p.error(f"--format: unknown {', '.join(sorted(set(formats) - set(FORMATS)))}; known: {', '.join(FORMATS)}")
+    s = SHAPES[args.shape]
+    super_block = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][0]
+    k_quants = [f for f in formats if f.endswith("_k")]
+    if k_quants and any(k % super_block for _, k in s.linears()):
+        p.error(f"--format {', '.join(k_quants)}: {args.shape}'s inputs are no whole super-blocks; take --shape "
+                "llama-3.2-1b")
     known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
     kv_names = args.kv_dtype.split(",")
     unknown = set(kv_names) - set(known)
     if unknown:
         p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     torch.set_num_threads(2)
-    s, gen = Shapes(), torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
         if {"amx", "q4a"} & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
