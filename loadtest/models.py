@@ -8,7 +8,8 @@ with no download. The files go to a cache folder (``$HARPOON_CACHE/random-models
 The quantized blocks are written directly, with random bits and scales chosen so the weights come out around
 +/-0.05 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would
 need their 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output
-and for ``attn_v``/``ffn_down`` in the first and last eighth of the layers and every third layer between. The
+(a tied model's token table, which is its output too) and for ``attn_v``/``ffn_down`` in the first and last eighth
+of the layers and every third layer between. The
 tokenizer is the bundled SmolLM2's (BPE, its merges and chat template), its token list padded with reserved
 tokens up to the shape's vocabulary. ``bf16`` writes a Hugging Face folder instead (config, the same tokenizer,
 weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that no more than a layer is ever in memory).
@@ -85,7 +86,8 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, GGMLQuantizationType]:
         main, more = Q.Q4_K, Q.Q6_K
     else:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    types = {"token_embd.weight": main}
+    # llama.cpp gives a table shared with the output the output's type (a Llama-3.2-1B Q4_K_M's is Q6_K)
+    types = {"token_embd.weight": more if shape.tied else main}
     if not shape.tied:
         types["output.weight"] = more
     for i in range(shape.layers):
@@ -238,7 +240,14 @@ def cached_model(shape_name: str, quant: str, seed: int = 0) -> Path:
         path = root / f"{shape_name}-bf16-seed{seed}"
         return path if path.exists() else write_hf_bf16(SHAPES[shape_name], path, seed)
     path = root / f"{shape_name}-{quant}-seed{seed}.gguf"
-    return path if path.exists() else write_model(SHAPES[shape_name], quant, path, seed, shape_name)
+    if path.exists() and _types_of(path) == {n: t.name for n, t in tensor_types(SHAPES[shape_name], quant).items()}:
+        return path
+    return write_model(SHAPES[shape_name], quant, path, seed, shape_name)  # anew where an older mix wrote it
+
+
+def _types_of(path: Path) -> dict[str, str]:
+    """The type of each quantized tensor of a file, by its GGUF name."""
+    return {t.name: t.tensor_type.name for t in FastGGUFReader(path).tensors if t.tensor_type.name != "F32"}
 
 
 def main(argv: list[str] | None = None) -> None:

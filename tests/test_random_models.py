@@ -42,6 +42,33 @@ def test_a_random_model_has_the_mix_and_range_asked_for_and_serves(quant, tmp_pa
     assert len(out.outputs[0].token_ids) == 4 and llm.engine.vocab_size == SMALL.vocab
 
 
+def test_a_tied_token_table_gets_the_outputs_type_as_llama_cpp_gives_it(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType as Q
+
+    from loadtest import models
+
+    assert tensor_types(replace(SMALL, tied=True), "q4_k_m")["token_embd.weight"] == Q.Q6_K
+    assert tensor_types(SMALL, "q4_k_m")["token_embd.weight"] == Q.Q4_K  # its own output.weight is the Q6_K
+    # a cached file of an older mix (the tied table in Q4_K) is written again
+    tiny = replace(SMALL, layers=1, tied=True)
+    monkeypatch.setitem(models.SHAPES, "tiny", tiny)
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    stale = tmp_path / "random-models" / "tiny-q4_k_m-seed0.gguf"
+    stale.parent.mkdir()
+    older = {**tensor_types(tiny, "q4_k_m"), "token_embd.weight": Q.Q4_K}
+    monkeypatch.setattr(models, "tensor_types", lambda shape, quant: older)
+    write_model(tiny, "q4_k_m", stale)
+    monkeypatch.setattr(models, "tensor_types", tensor_types)
+    assert {t.name: t.tensor_type.name for t in GGUFReader(stale).tensors}["token_embd.weight"] == "Q4_K"
+    path = models.cached_model("tiny", "q4_k_m")
+    assert path == stale
+    assert {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}["token_embd.weight"] == "Q6_K"
+    written = path.stat().st_mtime_ns
+    assert models.cached_model("tiny", "q4_k_m").stat().st_mtime_ns == written  # a current one is kept
+
+
 def test_the_real_shapes_have_k_quant_rows():
     for shape in SHAPES.values():  # every input dimension must hold whole 256-value blocks
         assert shape.hidden % 256 == 0 and shape.intermediate % 256 == 0
