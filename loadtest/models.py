@@ -9,10 +9,10 @@ The quantized blocks are written directly, with random bits and scales chosen so
 +/-0.05 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would
 need their 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output
 (a tied model's token table, which is its output too) and for ``attn_v``/``ffn_down`` in the first and last eighth
-of the layers and every third layer between. The
-tokenizer is the bundled SmolLM2's (BPE, its merges and chat template), its token list padded with reserved
-tokens up to the shape's vocabulary. ``bf16`` writes a Hugging Face folder instead (config, the same tokenizer,
-weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that no more than a layer is ever in memory).
+of the layers and every third layer between. The tokenizer is the bundled SmolLM2's (BPE, its merges and chat
+template), its token list padded with reserved tokens up to the shape's vocabulary. ``bf16`` writes a Hugging Face
+folder instead (config, the same tokenizer, weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that
+no more than a layer is ever in memory).
 """
 
 from __future__ import annotations
