@@ -45,22 +45,21 @@ static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) {
 static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) { (void)u, (void)s; return acc; } /* never called */
 #endif
 
-/* s8 x s8 dot products with AVX2's maddubs (llama.cpp's way before VNNI): |w| (unsigned) times x with w's sign,
- * pairs summed to 16 bits (at most 2 x 128 x 127 = 32512: no saturation), then to 32-bit lanes. Two more
- * instructions than a VNNI dot, and no offset to take back off. */
+/* u8 x s8 products with AVX2's maddubs: pairs summed to 16-bit lanes (pairs_u8s8), a run of them summed as such
+ * (add16) where it cannot saturate, then widened to 32-bit lanes (widen16). Unsigned weights (nibbles; Q6K's
+ * q + 32, 0..63) go in as they are: a pair's sum is at most 2 x 63 x 127 = 16002. */
 #ifdef __AVX2__
 #define HP_DOT_S8S8 1
-static inline v8i dot_s8s8(v8i acc, v8i w, v8i x) {
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
-                                               _mm256_sign_epi8((__m256i)x, (__m256i)w));
-    return acc + (v8i)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-/* The same products where the weights are unsigned as they are (nibbles; Q6K's q + 32, 0..63): maddubs takes them
- * straight, and a pair's sum fits 16 bits (at most 2 x 63 x 127 = 16002), so a run of them can be summed as 16-bit
- * lanes (add16) and widened to 32 once (widen16). */
 static inline v8i pairs_u8s8(v8i u, v8i x) { return (v8i)_mm256_maddubs_epi16((__m256i)u, (__m256i)x); }
 static inline v8i add16(v8i a, v8i b) { return (v8i)_mm256_add_epi16((__m256i)a, (__m256i)b); }
 static inline v8i widen16(v8i pairs) { return (v8i)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1)); }
+/* s8 x s8 dot products (llama.cpp's way before VNNI): |w| (unsigned) times x with w's sign, pairs summed to 16 bits
+ * (at most 2 x 128 x 127 = 32512: no saturation), then to 32-bit lanes. Two more instructions than a VNNI dot, and
+ * no offset to take back off. */
+static inline v8i dot_s8s8(v8i acc, v8i w, v8i x) {
+    return acc + widen16(pairs_u8s8((v8i)_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                                    (v8i)_mm256_sign_epi8((__m256i)x, (__m256i)w)));
+}
 #else
 #define HP_DOT_S8S8 0
 static inline v8i dot_s8s8(v8i acc, v8i w, v8i x) { (void)w, (void)x; return acc; } /* never called */
@@ -997,8 +996,9 @@ int hp_argmax_packed(int format, const float *x, int64_t ldx, const void *packed
  * u8 x s8 products a 32-bit lane. Nibble weights (Q4, Q4K) are unsigned as they are; byte weights are signed, made
  * unsigned by q ^ 0x80 (q + 128), and 128 Σ qx is taken back off. Without VNNI (AVX2 only), or where it measured
  * slower, AVX2's maddubs takes byte weights as signed (dot_s8s8, offset 0) and the unsigned ones as they are
- * (pairs_u8s8); a nibble block's pair sums stay 16-bit until its fix-up. NOTE: that took 15% off a 1-row step of a
- * Llama-3.2-1B Q4_K_M's products and 28% off a 16-row one (AMD EPYC, AVX2; signed pairs for every weight before).
+ * (pairs_u8s8); a nibble block's pair sums stay 16-bit until its fix-up. NOTE: that took 15% off a Llama-3.2-1B
+ * Q4_K_M's decode step of one sequence and 28% off one of sixteen (AMD EPYC, AVX2; signed pairs for every weight
+ * before; python -m loadtest.lab.step_profile).
  * Per 16 k (the finest scales, Q6K's and Q6M's):
  *     c += d_w d_x (Σ u qx - offset Σ qx) + m_w d_x Σ qx
  * Not exact: the activations' rounding (at most half a step of max |x| / 127 per value of each 32) shows in the
