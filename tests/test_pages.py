@@ -4,6 +4,8 @@ handed back once read."""
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +36,9 @@ def smaps_field(address: int, field: str) -> int:
     return int(smaps_line(address, field).split()[0]) * 1024
 
 
-@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off on this machine")
-def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
+def fresh_panel_and_plain_tensor() -> None:
+    """The advised tensor lies on 2 MiB pages once written and carries the advice; a plain one beside it does not
+    carry it. Run in a fresh process: a long one's heap may hand back memory advised earlier."""
     out = empty_on_huge_pages(3, 4 << 20, dtype=torch.float32)  # 48 MiB
     assert out.shape == (3, 4 << 20) and out.dtype == torch.float32
     out.fill_(1.0)
@@ -48,6 +51,14 @@ def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
     plain = torch.empty(3, 4 << 20, dtype=torch.float32)
     plain.fill_(1.0)
     assert "hg" not in smaps_line(-(-plain.data_ptr() // HUGE_PAGE) * HUGE_PAGE, "VmFlags").split()
+
+
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off on this machine")
+def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
+    code = "from tests.test_pages import fresh_panel_and_plain_tensor as f; f()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_small_tensor_is_a_plain_empty_tensor():
