@@ -71,6 +71,9 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: GGMLQuan
     elif kind == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: w = d*sc*q - dmin*m
         raw[:, 0:2] = f16(5e-5)
         raw[:, 2:4] = f16(7.5 * 5e-5)  # centres the nibbles' mean for scales and mins drawn alike
+    elif kind == Q.Q5_K:  # as Q4_K, then 32 bytes of fifth bits before the nibbles: q in 0..31
+        raw[:, 0:2] = f16(2.5e-5)
+        raw[:, 2:4] = f16(15.5 * 2.5e-5)
     elif kind == Q.Q6_K:  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d: w = d * sc * (q - 32)
         raw[:, size - 2:size] = f16(1e-5)
     else:

@@ -89,3 +89,18 @@ def test_a_random_bf16_folder_loads_in_transformers_and_serves_without_an_fp32_c
     assert all(p.dtype != torch.float32 or p.dim() == 1 for p in llm.engine.model.parameters())  # norms, biases only
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+def test_random_blocks_of_each_type_decode_to_small_centred_weights(kind):
+    """The benchmarks' random blocks (kernel_ab's q4_k ... q8_0) read as weights of a real model's size: within
+    ~0.05, their mean near 0 against their spread, whatever the type."""
+    from gguf import GGMLQuantizationType
+
+    from loadtest.models import random_blocks
+
+    weights = dequantize(random_blocks(np.random.default_rng(0), 64, 512, GGMLQuantizationType[kind]),
+                         GGMLQuantizationType[kind])
+    assert weights.shape == (64, 512)
+    assert 0.02 < float(np.abs(weights).max()) < 0.051 and float(weights.std()) > 0.005
+    assert abs(float(weights.mean())) < 0.05 * float(weights.std())

@@ -995,10 +995,11 @@ int hp_argmax_packed(int format, const float *x, int64_t ldx, const void *packed
  * (d = max |x| / 127, q = round(x / d)) and multiplies each 32 k of a block panel as integers: vpdpbusd sums four
  * u8 x s8 products a 32-bit lane. Nibble weights (Q4, Q4K) are unsigned as they are; byte weights are signed, made
  * unsigned by q ^ 0x80 (q + 128), and 128 Σ qx is taken back off. Without VNNI (AVX2 only), or where it measured
- * slower, AVX2's maddubs takes byte weights as signed (dot_s8s8, offset 0) and the unsigned ones as they are
- * (pairs_u8s8); a nibble block's pair sums stay 16-bit until its fix-up. NOTE: that took 15% off a Llama-3.2-1B
- * Q4_K_M's decode step of one sequence and 28% off one of sixteen (AMD EPYC, AVX2; signed pairs for every weight
- * before; python -m loadtest.lab.step_profile).
+ * slower, AVX2's maddubs takes signed bytes (Q8) with two sign instructions (dot_s8s8, offset 0) and unsigned
+ * weights as they are (pairs_u8s8: nibbles, Q6K's q + 32, Q5's and Q5K's q in 0..31); a nibble block's pair sums
+ * stay 16-bit until its fix-up. NOTE: that took 15% off a Llama-3.2-1B Q4_K_M's decode step of one sequence and
+ * 28% off one of sixteen (AMD EPYC, AVX2; signed pairs for every weight before; python -m loadtest.lab.step_profile);
+ * Q5K's products of a 1B step 4% at one row and 15-18% at sixteen (python -m loadtest.lab.kernel_ab --format q5_k).
  * Per 16 k (the finest scales, Q6K's and Q6M's):
  *     c += d_w d_x (Σ u qx - offset Σ qx) + m_w d_x Σ qx
  * Not exact: the activations' rounding (at most half a step of max |x| / 127 per value of each 32) shows in the
@@ -1131,7 +1132,9 @@ static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8
         const int halves_ = (format) == Q6K_PANELS || (format) == Q6M_PANELS;                                         \
         /* maddubs on nibbles: a 32-k block's 8 words summed in 16 bits (8 x 2 x 15 x 127 = 30480), widened once */   \
         const int sums16_ = (dot) == Q8X_MADDUBS && ((format) == Q4_PANELS || (format) == Q4K_PANELS);                \
-        const int unsigned_ = (dot) == Q8X_MADDUBS && (format) == Q6K_PANELS; /* q + 32: widened each word */         \
+        /* Q6K's q + 32, Q5's and Q5K's q (0..31): unsigned bytes, their pairs widened each word */                  \
+        const int unsigned_ = (dot) == Q8X_MADDUBS                                                                    \
+            && ((format) == Q6K_PANELS || (format) == Q5_PANELS || (format) == Q5K_PANELS);                           \
         for (int k = 0; k < (kc); k += Q8_GROUP) {                                                                    \
             const int b = (b0) + k / Q8_GROUP;                                                                        \
             v8f d[2][NV], m[2][NV];                                                                                   \

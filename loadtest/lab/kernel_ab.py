@@ -25,8 +25,9 @@ products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 block
 (``--format amx,q4a``) are timed each with each variant, interleaved. ``--kv-dtype`` lists the K/V pool types to
 time the attention with (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before
 int8 pools cannot read them: time int8 with revisions that have it). The formats named for GGUF block types
-(``q4_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``) in the panels the engine
-packs a file's blocks into; K-quants need ``--shape llama-3.2-1b`` (SmolLM2's 576 inputs are no whole super-block).
+(``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``) in the panels
+the engine packs a file's blocks into; K-quants need ``--shape llama-3.2-1b`` (SmolLM2's 576 inputs are no whole
+super-block).
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
 SHAPES = {"smollm2-135m": Shapes(),
           "llama-3.2-1b": Shapes(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256,
                                  layers=16)}
-BLOCK_TYPES = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K,
-               "q8_0": GGMLQuantizationType.Q8_0}
+BLOCK_TYPES = {"q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
+               "q6_k": GGMLQuantizationType.Q6_K, "q8_0": GGMLQuantizationType.Q8_0}
 FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS), *BLOCK_TYPES)
 
 
