@@ -252,7 +252,7 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     kernel_ab_main(["WORKTREE", "WORKTREE -Og", "--rows", "3", "--seqs", "2,5", "--context", "40", "--rounds", "2"])
     out = capsys.readouterr().out
     tables = [block.splitlines() for block in out.strip().split("\n\n")]
-    assert [t[0] for t in tables] == ["GEMMs of one step (30 layers and the LM head, fp32 panels), 3 rows",
+    assert [t[0] for t in tables] == ["GEMMs of one step (30 layers and the LM head, fp32 panels), 3 rows, 2 threads",
                                       "decode attention of one step (30 layers), 2 sequences x 40 positions",
                                       "decode attention of one step (30 layers), 5 sequences x 40 positions"]
     for t in tables:
@@ -261,7 +261,7 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     kernel_ab_main(["WORKTREE", "--format", "q4", "--rows", "1", "--seqs", "1", "--context", "1", "--rounds", "1",
                     "--kv-dtype", "float32,bfloat16"])
     out = capsys.readouterr().out
-    assert "GEMMs of one step (30 layers and the LM head, q4 panels), 1 rows" in out
+    assert "GEMMs of one step (30 layers and the LM head, q4 panels), 1 rows, 2 threads" in out
     attention = out.strip().split("\n\n")[-1].splitlines()
     assert [row.split("|")[1].strip() for row in attention[3:]] == ["WORKTREE (float32 pool)",
                                                                    "WORKTREE (bfloat16 pool)"]
@@ -270,16 +270,18 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
     with pytest.raises(SystemExit):  # SmolLM2's 576 inputs are no whole K-quant super-block
         kernel_ab_main(["WORKTREE", "--format", "q4_k"])
     kernel_ab_main(["WORKTREE", "--format", "q8_0", "--int8-activations", "--rows", "2", "--seqs", "1", "--context",
-                    "1", "--rounds", "1"])  # a GGUF file's blocks, in the panels the engine packs them into
-    assert "GEMMs of one step (30 layers and the LM head, q8_0 panels, int8 activations), 2 rows" in \
-        capsys.readouterr().out
+                    "1", "--rounds", "1", "--resident", "--threads", "1"])  # a GGUF file's blocks, as the engine packs
+    gemm = [t.splitlines()[0] for t in capsys.readouterr().out.strip().split("\n\n")[:2]]  # them, then kept in cache
+    assert gemm == ["GEMMs of one step (30 layers and the LM head, q8_0 panels, int8 activations), 2 rows, 1 threads",
+                    "GEMMs of one step (30 layers of one layer's weights, resident in the caches, q8_0 panels, int8 "
+                    "activations), 2 rows, 1 threads"]
     from kernels import cpu
 
     if "amx" in cpu.bf16_dots():  # BF16A against Q4A panels, interleaved, each a row of the one table
         kernel_ab_main(["WORKTREE", "--format", "amx,q4a", "--rows", "2", "--seqs", "1", "--context", "1",
                         "--rounds", "1"])
         gemm = capsys.readouterr().out.strip().split("\n\n")[0].splitlines()
-        assert gemm[0] == "GEMMs of one step (30 layers and the LM head, amx, q4a panels), 2 rows"
+        assert gemm[0] == "GEMMs of one step (30 layers and the LM head, amx, q4a panels), 2 rows, 2 threads"
         assert [row.split("|")[1].strip() for row in gemm[3:]] == ["WORKTREE (amx panels)", "WORKTREE (q4a panels)"]
 
 

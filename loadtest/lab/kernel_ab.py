@@ -17,6 +17,8 @@ from DRAM too.
     python -m loadtest.lab.kernel_ab WORKTREE --format amx,q4a --rows 1,16,64 --seqs 1    # against Q4A panels
     python -m loadtest.lab.kernel_ab HEAD WORKTREE --shape llama-3.2-1b --format q4_k,q6_k --int8-activations \
         --rows 1,4,16 --seqs 1 --context 1                                                   # a GGUF file's K-quants
+    python -m loadtest.lab.kernel_ab WORKTREE --shape llama-3.2-1b --format q4_k --int8-activations --rows 1 \
+        --seqs 1 --context 1 --resident --threads 1     # compute-bound or memory-bound: from the caches and from DRAM
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
@@ -242,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--int8-activations", action="store_true",
                    help="block panels (--format q4, q8, q4_k, ...) multiply activations rounded to int8 "
                         "(--quantized-matmul int8)")
+    p.add_argument("--resident", action="store_true",
+                   help="also time the products over one layer's weights, again for every layer, so they stay in "
+                        "the caches: the rate the kernels compute at, beside the step's rate from DRAM")
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     formats = args.format.split(",")
     if set(formats) - set(FORMATS):
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(kv_names) - set(known)
     if unknown:
         p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)  # the kernels' OpenMP too: torch loads the libgomp.so.1 they link
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
@@ -272,12 +278,18 @@ def main(argv: list[str] | None = None) -> None:
             y = torch.empty(rows, s.vocab)
             flop = sum(2.0 * rows * n * k for n, k in shapes)
             flags = HP_Q8X if args.int8_activations else 0
-            runs = [partial(gemm_round, d, pk, x, y, rows, flags) for f in formats
-                    for d, pk in zip(dlls, packs[f], strict=True)]
             names = [f"{v} ({f} panels)" if len(formats) > 1 else v for f in formats for v in args.variants]
-            times = interleave(runs, args.rounds)
             kind = f"{', '.join(formats)} panels" + (", int8 activations" if flags else "")
-            report(f"GEMMs of one step ({s.layers} layers and the LM head, {kind}), {rows} rows", names, times, flop)
+            for resident in (False, True) if args.resident else (False,):
+                # resident: the first layer's weights once for every layer, no LM head
+                steps = [pk[:len(s.linears())] * s.layers if resident else pk for f in formats for pk in packs[f]]
+                runs = [partial(gemm_round, d, pk, x, y, rows, flags)
+                        for d, pk in zip(dlls * len(formats), steps, strict=True)]
+                what = (f"{s.layers} layers of one layer's weights, resident in the caches" if resident
+                        else f"{s.layers} layers and the LM head")
+                work = sum(2.0 * rows * n * k for _, n, k in steps[0]) if resident else flop
+                report(f"GEMMs of one step ({what}, {kind}), {rows} rows, {args.threads} threads", names,
+                       interleave(runs, args.rounds), work)
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
                 pools = [Pool.make(s, seqs, context, gen, known[name]) for name in kv_names]
