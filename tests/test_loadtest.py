@@ -273,7 +273,7 @@ def test_kernel_ab_times_each_variant_built_with_its_flags(capsys):
                     "1", "--rounds", "1", "--resident", "--threads", "1"])  # a GGUF file's blocks, as the engine packs
     gemm = [t.splitlines()[0] for t in capsys.readouterr().out.strip().split("\n\n")[:2]]  # them, then kept in cache
     assert gemm == ["GEMMs of one step (30 layers and the LM head, q8_0 panels, int8 activations), 2 rows, 1 threads",
-                    "GEMMs of one step (30 layers of one layer's weights, resident in the caches, q8_0 panels, int8 "
+                    "GEMMs of one step (30 layers of one layer's weights, each 30 times in a row, q8_0 panels, int8 "
                     "activations), 2 rows, 1 threads"]
     from kernels import cpu
 

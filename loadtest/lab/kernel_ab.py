@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="block panels (--format q4, q8, q4_k, ...) multiply activations rounded to int8 "
                         "(--quantized-matmul int8)")
     p.add_argument("--resident", action="store_true",
-                   help="also time the products over one layer's weights, again for every layer, so they stay in "
-                        "the caches: the rate the kernels compute at, beside the step's rate from DRAM")
+                   help="also time one layer's products, each as many times in a row as there are layers, so its "
+                        "weights stay in the caches: the rate the kernels compute at, beside the step's from DRAM")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     formats = args.format.split(",")
@@ -281,11 +281,13 @@ def main(argv: list[str] | None = None) -> None:
             names = [f"{v} ({f} panels)" if len(formats) > 1 else v for f in formats for v in args.variants]
             kind = f"{', '.join(formats)} panels" + (", int8 activations" if flags else "")
             for resident in (False, True) if args.resident else (False,):
-                # resident: the first layer's weights once for every layer, no LM head
-                steps = [pk[:len(s.linears())] * s.layers if resident else pk for f in formats for pk in packs[f]]
+                # resident: each of the first layer's weights as many times in a row as there are layers (it stays
+                # in the caches where it fits: the largest of a 1B layer, 20-28 MB of K-quants, in a 32 MiB L3)
+                steps = [[w for w in pk[:len(s.linears())] for _ in range(s.layers)] if resident else pk
+                         for f in formats for pk in packs[f]]
                 runs = [partial(gemm_round, d, pk, x, y, rows, flags)
                         for d, pk in zip(dlls * len(formats), steps, strict=True)]
-                what = (f"{s.layers} layers of one layer's weights, resident in the caches" if resident
+                what = (f"{s.layers} layers of one layer's weights, each {s.layers} times in a row" if resident
                         else f"{s.layers} layers and the LM head")
                 work = sum(2.0 * rows * n * k for _, n, k in steps[0]) if resident else flop
                 report(f"GEMMs of one step ({what}, {kind}), {rows} rows, {args.threads} threads", names,
