@@ -5,14 +5,14 @@ with no download. The files go to a cache folder (``$HARPOON_CACHE/random-models
     python -m loadtest.models --shape llama-3.1-8b --quant q8_0 --out /data/llama8b-q8.gguf
     python -m loadtest.models --shape llama-3.2-1b --quant bf16       # a Hugging Face folder of bf16 safetensors
 
-The quantized blocks are written directly, with random bits and scales chosen so the weights come out around
-+/-0.05 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would
-need their 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output
-(a tied model's token table, which is its output too) and for ``attn_v``/``ffn_down`` in the first and last eighth
-of the layers and every third layer between. The tokenizer is the bundled SmolLM2's (BPE, its merges and chat
-template), its token list padded with reserved tokens up to the shape's vocabulary. ``bf16`` writes a Hugging Face
-folder instead (config, the same tokenizer, weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that
-no more than a layer is ever in memory).
+The quantized blocks are written directly, with random bits and scales chosen so the weights come out around +/-0.05
+(gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would need their
+32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output (a tied
+model's token table, which is its output too) and for ``attn_v``/``ffn_down`` in the first and last eighth of the
+layers and every third layer between; ``q5_k_m`` likewise, with Q5_K for Q4_K. The tokenizer is the bundled
+SmolLM2's (BPE, its merges and chat template), its token list padded with reserved tokens up to the shape's
+vocabulary. ``bf16`` writes a Hugging Face folder instead (config, the same tokenizer, weights of N(0, 0.02) in bf16
+safetensors, one shard a layer so that no more than a layer is ever in memory).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 500000.0, 131072, tied=False),
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
 }
-QUANTS = ("q4_k_m", "q8_0", "bf16")
+QUANTS = ("q4_k_m", "q5_k_m", "q8_0", "bf16")
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -85,8 +85,8 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, GGMLQuantizationType]:
     """The type of each projection (by its GGUF name), as the quantization mix gives it."""
     if quant == "q8_0":
         main, more = Q.Q8_0, Q.Q8_0
-    elif quant == "q4_k_m":
-        main, more = Q.Q4_K, Q.Q6_K
+    elif quant in ("q4_k_m", "q5_k_m"):
+        main, more = Q.Q4_K if quant == "q4_k_m" else Q.Q5_K, Q.Q6_K
     else:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     # llama.cpp gives a table shared with the output the output's type (a Llama-3.2-1B Q4_K_M's is Q6_K)
@@ -158,7 +158,8 @@ def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = 
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(shape.hidden // shape.heads)
     writer.add_vocab_size(shape.vocab)
-    writer.add_file_type(LlamaFileType.MOSTLY_Q4_K_M if quant == "q4_k_m" else LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type({"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M}.get(
+        quant, LlamaFileType.MOSTLY_Q8_0))
     _tokenizer(writer, shape.vocab)
     norm = np.ones(shape.hidden, dtype=np.float32)
     types = tensor_types(shape, quant)
