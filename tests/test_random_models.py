@@ -7,12 +7,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from loadtest.models import SHAPES, Shape, tensor_types, use_more_bits, write_model
+from loadtest.models import SHAPES, Shape, random_blocks, tensor_types, use_more_bits, write_model
 
 SMALL = Shape("llama", 256, 512, 8, 4, 2, 49160, 10000.0, 2048, tied=False)  # vocab: the tokenizer's, padded
 
@@ -26,7 +26,7 @@ def test_a_random_model_has_the_mix_and_range_asked_for_and_serves(quant, tmp_pa
     assert {name: types[name] for name in expected} == {name: kind.name for name, kind in expected.items()}
     if quant != "q8_0":  # attn_v and ffn_down of layers 0, 3, 6 and 7 (of 8), and the output, get Q6_K
         assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
-        main = quant[:2].upper() + "_K"
+        main = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[quant]
         assert Counter(types.values()) == {main: 1 + 8 * 5 + 4 * 2, "Q6_K": 1 + 4 * 2, "F32": 8 * 2 + 1}
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type)
@@ -96,10 +96,6 @@ def test_a_random_bf16_folder_loads_in_transformers_and_serves_without_an_fp32_c
 def test_random_blocks_of_each_type_decode_to_small_centred_weights(kind):
     """The benchmarks' random blocks (kernel_ab's q4_k ... q8_0) read as weights of a real model's size: within
     ~0.05, their mean near 0 against their spread, whatever the type."""
-    from gguf import GGMLQuantizationType
-
-    from loadtest.models import random_blocks
-
     weights = dequantize(random_blocks(np.random.default_rng(0), 64, 512, GGMLQuantizationType[kind]),
                          GGMLQuantizationType[kind])
     assert weights.shape == (64, 512)
