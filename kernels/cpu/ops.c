@@ -46,8 +46,8 @@ static inline v8i dot_u8s8(v8i acc, v8i u, v8i s) { (void)u, (void)s; return acc
 #endif
 
 /* u8 x s8 products with AVX2's maddubs: pairs summed to 16-bit lanes (pairs_u8s8), a run of them summed as such
- * (add16) where it cannot saturate, then widened to 32-bit lanes (widen16). Unsigned weights (nibbles; Q6K's
- * q + 32, 0..63) go in as they are: a pair's sum is at most 2 x 63 x 127 = 16002. */
+ * (add16) where it cannot saturate, then widened to 32-bit lanes (widen16). Unsigned weights (nibbles; Q5's and
+ * Q5K's q, 0..31; Q6K's q + 32, 0..63) go in as they are: a pair's sum is at most 2 x 63 x 127 = 16002. */
 #ifdef __AVX2__
 #define HP_DOT_S8S8 1
 static inline v8i pairs_u8s8(v8i u, v8i x) { return (v8i)_mm256_maddubs_epi16((__m256i)u, (__m256i)x); }
