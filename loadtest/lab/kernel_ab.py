@@ -27,9 +27,10 @@ products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 block
 (``--format amx,q4a``) are timed each with each variant, interleaved. ``--kv-dtype`` lists the K/V pool types to
 time the attention with (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before
 int8 pools cannot read them: time int8 with revisions that have it). The formats named for GGUF block types
-(``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``) in the panels
-the engine packs a file's blocks into; K-quants need ``--shape llama-3.2-1b`` (SmolLM2's 576 inputs are no whole
-super-block).
+(``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``), the same for
+every variant, each packed by that variant's own ``gguf_pack.c`` into the panels the engine packs a file's blocks
+into, so revisions that lay those panels out differently compare too; K-quants need ``--shape llama-3.2-1b``
+(SmolLM2's 576 inputs are no whole super-block).
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.backends.cpu import _pack_quantized
-from engine.gguf_weights import decode_rows
 from kernels import cdiv, kv_int8
 from kernels.cpu import (
     _FLAGS,
@@ -67,6 +66,7 @@ from kernels.cpu import (
     pack_weight_compact,
     pack_weight_q4a,
 )
+from kernels.cpu.blocks import GGUF_PANEL_DTYPES
 from loadtest.lab.compact_gemm import GRIDS
 from loadtest.models import random_blocks
 
@@ -127,8 +127,8 @@ FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS), *BLOCK_TYPES)
 def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
                  dll: ctypes.CDLL | None = None) -> list[tuple[torch.Tensor, int, int]]:
     """A step's weights packed as ``fmt``'s panels: fp32 by ``dll``'s own packing (revisions may differ), the others
-    by the working tree's. q4a: the projections as Q4 blocks in Q4A panels, the LM head (the last shape) in BF16A,
-    as the engine packs the default GGUF in bfloat16 on AMX."""
+    but GGUF blocks (``block_step_weights``) by the working tree's. q4a: the projections as Q4 blocks in Q4A panels,
+    the LM head (the last shape) in BF16A, as the engine packs the default GGUF in bfloat16 on AMX."""
     out = []
     for i, (n, k) in enumerate(shapes):
         if fmt == "fp32":
@@ -137,10 +137,6 @@ def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
             q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
             d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
             weight = pack_weight_q4a(q, d, -8 * d)
-        elif fmt in BLOCK_TYPES:
-            seed = int(torch.randint(2**31, (1,), generator=gen))
-            blocks = random_blocks(np.random.default_rng(seed), n, k, BLOCK_TYPES[fmt])
-            weight = _pack_quantized(decode_rows(BLOCK_TYPES[fmt], k, torch.from_numpy(blocks)))
         elif fmt in ("amx", "q4a"):
             weight = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
         else:
@@ -148,6 +144,26 @@ def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
             weight = pack_weight_compact(make(n, k, gen))
             assert weight.dtype == dtype, f"{fmt} weight packed as {weight.dtype}"
         out.append((weight, n, k))
+    return out
+
+
+def block_step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
+                       dlls: list[ctypes.CDLL]) -> list[list[tuple[torch.Tensor, int, int]]]:
+    """Per variant, a step's weights as random GGUF blocks of ``fmt`` (the same blocks for all), each packed by that
+    variant's own ``hp_pack_gguf`` into the panels the engine packs a file's blocks into."""
+    kind = BLOCK_TYPES[fmt]
+    out: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
+    for n, k in shapes:
+        seed = int(torch.randint(2**31, (1,), generator=gen))
+        blocks = torch.from_numpy(random_blocks(np.random.default_rng(seed), n, k, kind))
+        rows = blocks.data_ptr() + blocks.stride(0) * torch.arange(n, dtype=torch.int64)
+        for dll, weights in zip(dlls, out, strict=True):
+            width = dll.hp_panel_width()
+            buffer = torch.empty(cdiv(n, width) * width * k * 3 // 2, dtype=torch.uint8)  # panels: <= 1.125 B a weight
+            written = dll.hp_pack_gguf(int(kind), rows.data_ptr(), n, k, width, buffer.data_ptr())
+            if written < 0:
+                raise ValueError(f"{fmt}: a variant's gguf_pack.c does not pack {kind.name}")
+            weights.append((buffer[:written].clone().view(GGUF_PANEL_DTYPES[int(kind)]), n, k))
     return out
 
 
@@ -271,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error("--format amx, q4a: this CPU (or a variant) has no AMX tiles")
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         # per format, per variant: every layer its own weights, so a step streams them from DRAM, as a real one does
-        packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32" else [step_weights(f, shapes, gen)]
-                 * len(dlls) for f in formats}
+        packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32"
+                 else block_step_weights(f, shapes, gen, dlls) if f in BLOCK_TYPES
+                 else [step_weights(f, shapes, gen)] * len(dlls) for f in formats}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
             y = torch.empty(rows, s.vocab)
