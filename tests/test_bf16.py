@@ -91,6 +91,16 @@ def test_avx512_bf16_and_the_portable_body_give_the_same_bits():
     assert torch.equal(native.view(torch.int32), emulated.view(torch.int32))
 
 
+@pytest.mark.parametrize("n", [1, 48, 100])
+def test_bf16c_panels_hold_each_columns_pairs_of_inputs_and_zeros_past_the_last(n):
+    w = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    width = cpu.panel_width()
+    panels = cpu.pack_weight_bf16c(w).view(-1, 32, width, 2)  # [panel, k // 2, column, k % 2]
+    padded = torch.zeros(panels.shape[0] * width, 64, dtype=torch.bfloat16)
+    padded[:n] = w
+    assert torch.equal(panels, padded.view(torch.int16).view(-1, width, 32, 2).transpose(1, 2))
+
+
 def test_bf16c_panels_need_an_even_in_features():
     with pytest.raises(ValueError, match="even in_features"):
         cpu.pack_weight_bf16c(torch.randn(4, 7))
