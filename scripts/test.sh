@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
-# Two workers, each taking whole files (a module's server or model is made once): the suite is ~1.2 cores of work on
-# one worker, much of it single-threaded Python, so on a 2-core machine two took it from 14-16 to ~13 minutes.
+# Two workers, each taking whole files (a module's server or model is made once). Much of the suite is single-threaded
+# Python: on a 2-core machine, back to back on one commit, two workers took 13:03 and 13:13 where one took 14:27.
 # HARPOON_TEST_WORKERS=0 runs it in this process alone.
 exec python -m pytest -q -n "${HARPOON_TEST_WORKERS:-2}" --dist loadfile "$@"
