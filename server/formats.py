@@ -7,6 +7,16 @@ from transformers import PreTrainedTokenizerBase
 from engine.output_processor import RequestState
 from engine.outputs import PositionLogprobs
 
+# The floor of a logprob in a response. Why: a token a grammar (or a logit bias) rules out has a logprob of -inf,
+# which JSON cannot hold; asked for more top logprobs than the grammar allows tokens, a response had one and
+# failed with a 500. vLLM answers such a logprob with the same -9999.0.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a response holds it: -inf (or NaN) and anything below the floor as ``LOGPROB_FLOOR``."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 class TokenText:
     """Decoded text of single tokens, cached: logprobs name tokens by their text."""
@@ -42,9 +52,10 @@ class CompletionFormat:
                 token_logprobs.append(None)
                 top.append(None)
                 continue
-            token_logprobs.append(entry[token_id].logprob)
+            token_logprobs.append(json_logprob(entry[token_id].logprob))
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
-            top.append({self.token_text(t): lp.logprob for t, lp in ranked if lp.rank <= num or t == token_id})
+            top.append({self.token_text(t): json_logprob(lp.logprob) for t, lp in ranked
+                        if lp.rank <= num or t == token_id})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
@@ -75,7 +86,7 @@ class ChatFormat:
 
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     def choice(self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
                stop_reason: int | str | None, tool_calls: list[dict] | None = None) -> dict:

@@ -143,6 +143,31 @@ def test_structured_outputs(client, server):
     wait_pool_free(server)
 
 
+def test_logprobs_of_tokens_a_grammar_rules_out_are_the_floor_not_a_500(server):
+    """More top logprobs than the grammar allows tokens: the rest are -inf, which JSON cannot hold; they come back
+    as -9999.0 (vLLM's floor), whole and streamed, completions and chat (a body the fuzz test found)."""
+    choice = {"structured_outputs": {"choice": ["a", "b"]}, "temperature": 0, "model": MODEL}
+    for stream in (False, True):
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                       json={**choice, "prompt": "0", "logprobs": 2, "stop": "0", "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            tops = [top for e in events for c in e["choices"] if c["logprobs"] for top in c["logprobs"]["top_logprobs"]]
+        else:
+            tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        values = [v for top in tops for v in top.values()]
+        assert -9999.0 in values and all(-9999.0 <= v <= 0 for v in values), tops
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                   json={**choice, "messages": [{"role": "user", "content": "a or b?"}], "logprobs": True,
+                         "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    values = [t["logprob"] for entry in content for t in entry["top_logprobs"]]
+    assert -9999.0 in values and all(-9999.0 <= v <= 0 for v in values), content
+    wait_pool_free(server)
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
