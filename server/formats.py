@@ -7,9 +7,9 @@ from transformers import PreTrainedTokenizerBase
 from engine.output_processor import RequestState
 from engine.outputs import PositionLogprobs
 
-# The floor of a logprob in a response. Why: a token a grammar (or a logit bias) rules out has a logprob of -inf,
-# which JSON cannot hold; asked for more top logprobs than the grammar allows tokens, a response had one and
-# failed with a 500. vLLM answers such a logprob with the same -9999.0.
+# The floor of a logprob in a response. Why: a token a grammar's mask rules out has a logprob of -inf, which JSON
+# cannot hold; asked for more top logprobs than the grammar allows tokens, a response had one and failed with a
+# 500. vLLM answers such a logprob with the same -9999.0.
 LOGPROB_FLOOR = -9999.0
 
 
