@@ -79,9 +79,10 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_shm_sum_bytes": [_c_int, _c_i64],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
+    "hp_q8x_rounding_error": [_ptr, _c_i64, _c_int, _c_int, _ptr],
     "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
     "hp_argmax_packed": [_c_int, _ptr, _c_i64, _ptr, _c_int, _c_int, _c_int, _ptr],
-    "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _c_int, _ptr],
+    "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _ptr, _c_int, _c_int, _ptr],
     "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
                                   _c_int, _c_int, _c_int, _c_float, _c_int],
     "hp_rms_norm": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_float],
@@ -618,23 +619,45 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
     return y
 
 
+def q8x_rounding_error(x: torch.Tensor) -> torch.Tensor:
+    """[M] float64, at least ||x_m - x^_m|| for each row of fp32 ``x`` [M, K] (K % 32 == 0), x^ being x as the
+    int8-activation products (``linear(..., int8_activations=True)``) round it."""
+    x = _rows(x, "x")
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"q8x_rounding_error: K = {k} is not a multiple of 32")
+    err = torch.empty(m, dtype=torch.float64)
+    if m:
+        _library().hp_q8x_rounding_error(x.data_ptr(), x.stride(0), m, k, err.data_ptr())
+    return err
+
+
 def screened_argmax(
-    hidden: torch.Tensor, approx: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, max_candidates: int
+    hidden: torch.Tensor, approx: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, max_candidates: int,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per row of ``hidden`` [M, K], the argmax of ``linear(hidden, packed, N)`` given ``approx`` [M, N] within
-    ``||h|| error`` [N] (float64) of it: the columns that may hold the largest logit are recomputed exactly.
-    Returns [M] int64, -1 in a row with more than ``max_candidates`` of them or a value that is not finite."""
+    """Per row m of ``hidden`` [M, K], the argmax of ``linear(hidden, packed, N)`` given ``approx`` [M, N] within
+    ``s_m error`` [N] (float64) of it, where s_m is ``row_scale`` [M] (float64) or ||h_m||: the columns that may hold
+    the largest logit are recomputed exactly from ``packed`` (fp32 or block panels, as ``linear`` takes them, but
+    not BF16C or widened ones). Returns [M] int64, -1 in a row with more than ``max_candidates`` of them or a value
+    that is not finite."""
     hidden = _rows(hidden, "hidden")
     _check(approx, torch.float32, "approx")
     _check(error, torch.float64, "error")
-    _check(packed, torch.float32, "packed")
     m, n = approx.shape
     k = hidden.shape[1]
-    if hidden.shape[0] != m or error.shape != (n,) or not approx.is_contiguous() or packed.shape[1] != k:
+    in_features, columns = packed_geometry(packed)
+    if packed.dtype in (torch.int16, *WIDENED_TILE_BYTES):
+        raise ValueError(f"screened_argmax cannot recompute columns of {FORMAT_NAMES.get(packed.dtype)} panels")
+    if (hidden.shape[0] != m or error.shape != (n,) or not approx.is_contiguous() or in_features != k
+            or columns < n or (row_scale is not None and row_scale.shape != (m,))):
         raise ValueError(f"screened_argmax: hidden {tuple(hidden.shape)}, approx {tuple(approx.shape)}, error "
                          f"{tuple(error.shape)}, packed {tuple(packed.shape)} do not match")
+    if row_scale is not None:
+        _check(row_scale, torch.float64, "row_scale")
     tokens = torch.empty(m, dtype=torch.int64)
     _library().hp_screened_argmax(hidden.data_ptr(), hidden.stride(0), m, k, approx.data_ptr(), error.data_ptr(),
+                                  None if row_scale is None else row_scale.data_ptr(), WEIGHT_FORMATS[packed.dtype],
                                   packed.data_ptr(), n, max_candidates, tokens.data_ptr())
     return tokens
 

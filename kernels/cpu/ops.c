@@ -1078,6 +1078,27 @@ static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nib
         }
 }
 
+/* err[m] >= ||x_m - x^_m||, where x^_m is row m as the Q8X products round it (d q per 32 k): the very rounding of
+ * quantize_group_q8x, the squares summed in double and the root rounded up by a relative 2^-20. For a screen that
+ * must bound how far an int8-activation product lies from the exact one (engine/backends/greedy_head.py). */
+void hp_q8x_rounding_error(const float *x, int64_t ldx, int M, int K, double *err) {
+    for (int m = 0; m < M; m++) {
+        double sq = 0.0;
+        for (int b = 0; b < K / Q8_GROUP; b++) {
+            const float *xb = x + m * ldx + b * Q8_GROUP;
+            int8_t q[Q8_GROUP];
+            float d;
+            int32_t sums[2];
+            quantize_group_q8x(xb, 0, q, &d, sums);
+            for (int k = 0; k < Q8_GROUP; k++) {
+                const double e = (double)xb[k] - (double)d * q[k];
+                sq += e * e;
+            }
+        }
+        err[m] = sqrt(sq) * (1.0 + 0x1p-20);
+    }
+}
+
 /* The NV weight vectors that meet activation word 4 h + t of a 32-k block: nibble word 2 h + t / 2's low nibbles
  * (even k) or high (odd k), with Q6K's high bits from bits 2 (2 (t / 2) + t % 2); or bytes, made unsigned where
  * offset_bits says so. */
@@ -1365,31 +1386,38 @@ typedef double v4d __attribute__((vector_size(32), aligned(8)));
 typedef float v4f __attribute__((vector_size(16), aligned(4)));
 typedef long long v4l __attribute__((vector_size(32)));
 
-/* Column j of hp_linear's y = x . w^T for one row x, computed as hp_linear computes it: the same micro-kernel over
- * j's panel, the same k blocks, the same store path for a partial last panel. */
-static float linear_column(const float *x, const float *packed, int N, int K, int j) {
+/* Column j of hp_linear_packed's y = x . w^T for one row x and panels of ``format`` (fp32 or a block format),
+ * computed as that product computes it: the same micro-kernel over j's panel, the same k blocks, the same store path
+ * for a partial last panel (every row count gives a row the same bits). */
+static float linear_column(const float *x, const void *packed, int N, int K, int j, int format) {
     int p = j / NR, n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
     float y[NR];
     for (int k0 = 0; k0 < K; k0 += KC) {
         int kc = K - k0 < KC ? K - k0 : KC;
-        micro_kernel(1, x + k0, 0, packed + ((int64_t)p * K + k0) * NR, kc, y, NR, cols, 0, 0, k0 == 0, F32_PANELS);
+        micro_kernel(1, x + k0, 0, (const char *)packed + panel_bytes((int64_t)p * K + k0, format), kc, y, NR, cols,
+                     0, 0, k0 == 0, format);
     }
     return y[j - n0];
 }
 
-/* Greedy tokens from approximate logits (engine/models/greedy_head.py explains the bound): for row m of h [M, K],
- * every column j with approx_j + r_j >= max_i (approx_i - r_i), where r_j = ||h_m|| err_j bounds |approx_j -
- * logit_j|, may hold the argmax of the exact logits; each is recomputed as hp_linear would (packed, N, K), and the
- * largest, lowest j on a tie, is tokens[m]. In double, with ||h_m|| rounded up by a relative 2^-20 and a slack of
- * 2^-30 of the magnitudes in the comparison, both far above double's rounding here. tokens[m] = -1 where a value is
- * not finite or more than max_cand columns qualify: the caller then computes all logits. */
+/* Greedy tokens from approximate logits (engine/backends/greedy_head.py explains the bound): for row m of h [M, K],
+ * every column j with approx_j + r_j >= max_i (approx_i - r_i), where r_j = s_m err_j bounds |approx_j - logit_j|,
+ * may hold the argmax of the exact logits; each is recomputed as hp_linear_packed would (format, packed, N, K), and
+ * the largest, lowest j on a tie, is tokens[m]. s_m is row_scale[m], or where row_scale is NULL ||h_m|| rounded up by
+ * a relative 2^-20. In double, with a slack of 2^-30 of the magnitudes in the comparison, far above double's
+ * rounding here. tokens[m] = -1 where a value is not finite or more than max_cand columns qualify: the caller then
+ * computes all logits. */
 void hp_screened_argmax(const float *h, int64_t ldh, int M, int K, const float *approx, const double *err,
-                        const float *packed, int N, int max_cand, int64_t *tokens) {
+                        const double *row_scale, int format, const void *packed, int N, int max_cand,
+                        int64_t *tokens) {
+    /* NOTE: rows on both cores: a 64-row step's scan of 49152 columns a row took ~3 ms on one */
+#pragma omp parallel for schedule(dynamic) if (M > 1)
     for (int m = 0; m < M; m++) {
         const float *a = approx + (int64_t)m * N, *x = h + m * ldh;
         double sq = 0.0;
-        for (int k = 0; k < K; k++) sq += (double)x[k] * x[k];
-        const double norm = sqrt(sq) * (1.0 + 0x1p-20);
+        if (!row_scale)
+            for (int k = 0; k < K; k++) sq += (double)x[k] * x[k];
+        const double norm = row_scale ? row_scale[m] : sqrt(sq) * (1.0 + 0x1p-20);
         const v4d vnorm = {norm, norm, norm, norm};
         v4d floor4 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, widest4 = {0}, nan4 = {0};
         int j = 0;
@@ -1419,7 +1447,7 @@ void hp_screened_argmax(const float *h, int64_t ldh, int M, int K, const float *
         for (j = 0; j < N && count <= max_cand; j++) {
             if (a[j] + norm * err[j] < threshold) continue;
             count++;
-            float logit = linear_column(x, packed, N, K, j);
+            float logit = linear_column(x, packed, N, K, j, format);
             if (tokens[m] < 0 || logit > best) best = logit, tokens[m] = j;
         }
         if (count > max_cand) tokens[m] = -1;
