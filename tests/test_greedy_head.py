@@ -1,15 +1,24 @@
-"""The screened greedy head (``engine/backends/greedy_head.py``) against the full fp32 LM head: the same token ids,
-ties and near-ties included, a bound that holds, and a refusal wherever it cannot decide."""
+"""The screened greedy heads (``engine/backends/greedy_head.py``) against the full LM head: the same token ids,
+ties and near-ties included, a bound that holds, and a refusal wherever it cannot decide. ``ScreenedGreedyHead``
+screens an fp32 head with an int8 copy of it; ``Int8ScreenedHead`` screens a Q8 head with int8 activations."""
 
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.backends.greedy_head import MAX_ROWS, ScreenedGreedyHead
+from engine.backends.greedy_head import (
+    MAX_CANDIDATES,
+    MAX_ROWS,
+    SCREEN_TIMING_ROWS,
+    Int8ScreenedHead,
+    ScreenedGreedyHead,
+    screen_rows,
+)
 from kernels import cpu
 from tests.conftest import TINY_CONFIGS
 
@@ -116,3 +125,125 @@ def test_engine_takes_plain_greedy_tokens_from_the_screened_head(kind, tiny_mode
     full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=0))
     assert calls
     assert [o.outputs[0].token_ids for o in screened] == [o.outputs[0].token_ids for o in full]
+
+
+needs_int8_dots = pytest.mark.skipif(not cpu.q8x_available(), reason="no integer dot products on this CPU")
+BLOCK_HIDDEN = 96  # three 32-input blocks
+
+
+def make_block_head(seed: int = 0) -> tuple[Int8ScreenedHead, torch.Tensor]:
+    """A head of Q8_0 values in Q8 panels, with the same exact tie and near-tie as ``make_head``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (VOCAB, BLOCK_HIDDEN // 32, 32), generator=gen)
+    q[:, :, 0] = 127  # every block spans its scale
+    d = (torch.rand(VOCAB, BLOCK_HIDDEN // 32, 1, generator=gen) * 1e-3 + 1e-4).half().float()
+    q[999], d[999] = q[5], d[5]
+    q[500], d[500] = q[7], d[7]
+    q[500, 0, 1] += 1 if q[7, 0, 1] < 127 else -1  # a near-tie: one step of one weight apart
+    w = (d * q).reshape(VOCAB, BLOCK_HIDDEN)
+    packed = cpu.pack_weight_blocks(w)
+    assert packed is not None and packed.dtype == torch.int8  # Q8 panels
+    return Int8ScreenedHead(packed, VOCAB), packed
+
+
+def awkward_rows(m: int, seed: int) -> torch.Tensor:
+    """Rows whose int8 rounding errs most: one outlier a block (the rest round to few levels), tiny and huge
+    scales, a block of zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(m):
+        h = torch.randn(BLOCK_HIDDEN, generator=gen) * (10.0 ** (i % 7 - 3))
+        if i % 2:
+            h[::32] *= 200.0
+        if i % 3 == 0:
+            h[32:64] = 0.0
+        rows.append(h)
+    return torch.stack(rows)
+
+
+@needs_int8_dots
+def test_q8x_rounding_error_is_that_of_the_int8_products():
+    """The measured error is ||x - d q|| for the rounding the int8 products apply (d = max |x| / 127 per 32, q to
+    nearest even), rounded up by no more than 2^-20."""
+    x = awkward_rows(40, seed=1)
+    blocks = x.view(40, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127  # fp32, as the kernel divides
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    truth = (blocks.double() - d.double() * q.double()).pow(2).sum((1, 2)).sqrt()
+    err = cpu.q8x_rounding_error(x)
+    assert (err >= truth).all() and (err <= truth * (1 + 2**-19)).all()
+    assert (truth <= (0.5 * d.double()).pow(2).mul(32).sum((1, 2)).sqrt()).all()  # half a step a value at most
+    nan = x[:2].clone()
+    nan[1, 5] = float("nan")
+    assert torch.isfinite(cpu.q8x_rounding_error(nan)[0]) and not torch.isfinite(cpu.q8x_rounding_error(nan)[1])
+
+
+@needs_int8_dots
+def test_int8_screen_bound_holds():
+    """|int8-activation logit - exact logit| <= s_m ||w'_j|| for every row and column, with awkward rows too."""
+    head, packed = make_block_head(seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for awkward, hidden in ((True, awkward_rows(64, seed=3)), (False, torch.randn(64, BLOCK_HIDDEN, generator=gen))):
+        approx = cpu.linear(hidden, packed, VOCAB, int8_activations=True).double()
+        exact = cpu.linear(hidden, packed, VOCAB).double()
+        radius = head.row_scale(hidden)[:, None] * head.error[None, :]
+        assert ((approx - exact).abs() <= radius).all()
+        assert awkward or (radius < 0.05 * exact.abs().amax(dim=1, keepdim=True)).all()  # tight enough to screen
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_int8_screen_gives_the_exact_heads_tokens(m):
+    head, packed = make_block_head()
+    gen = torch.Generator().manual_seed(m)
+    for hidden in [torch.randn(m, BLOCK_HIDDEN, generator=gen) * s for s in (1e-3, 1.0, 30.0, 1e3)]:
+        assert torch.equal(head.argmax(hidden), full_argmax(hidden, packed))
+    w = cpu.embed_rows(packed, torch.arange(VOCAB), VOCAB)
+    hidden = torch.stack([w[5] * 40, w[7] * 40, w[500] * 40, -w[5] * 40])
+    tokens = head.argmax(hidden)
+    assert torch.equal(tokens, full_argmax(hidden, packed)) and tokens[0] == 5  # the lowest id of a tie
+
+
+@needs_int8_dots
+def test_int8_screen_refuses_or_computes_what_it_cannot_screen():
+    head, packed = make_block_head()
+    head.min_rows, head.max_rows = 2, 4
+    for m in (1, 5):  # batch sizes start-up did not find it faster for
+        assert head.argmax(torch.randn(m, BLOCK_HIDDEN)) is None
+    assert head.argmax(torch.randn(2, BLOCK_HIDDEN)) is not None
+    nan = torch.randn(2, BLOCK_HIDDEN)
+    nan[1, 3] = float("nan")
+    assert head.argmax(nan) is None
+    # a row of zeros (every logit 0: VOCAB candidates) beside ordinary rows: its token from its exact logits
+    hidden = torch.randn(3, BLOCK_HIDDEN)
+    hidden[1] = 0.0
+    assert VOCAB > MAX_CANDIDATES
+    assert torch.equal(head.argmax(hidden), full_argmax(hidden, packed)) and head.argmax(hidden)[1] == 0
+    with pytest.raises(ValueError, match="Q8 panels"):
+        Int8ScreenedHead(cpu.pack_weight(torch.randn(VOCAB, BLOCK_HIDDEN)), VOCAB)
+
+
+@needs_int8_dots
+def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
+    import engine.backends.greedy_head as greedy_head
+
+    head, _ = make_block_head()
+    low, high = screen_rows(head)
+    assert (low, high) == (0, 0) or (low in SCREEN_TIMING_ROWS and high in SCREEN_TIMING_ROWS and low <= high)
+    # where the screen loses at one row (bound by reading the head) and wins from four on, until 64
+    faster = {1: False, 4: True, 16: True, 64: True, 256: False}
+    timed = []
+
+    def fake(fn, flush, rounds=3):
+        rows = fn.args[0].shape[0] if isinstance(fn, partial) else None
+        if rows is not None:
+            timed.append(rows)
+            return 1.0 if faster[rows] else 3.0
+        return 2.0
+
+    monkeypatch.setattr(greedy_head, "_cold_seconds", fake)
+    assert screen_rows(head) == (4, 64) and timed == [1, 4, 16, 64, 256]
+    faster.update({1: True, 4: False, 16: True})
+    timed.clear()
+    assert screen_rows(head) == (1, 1) and timed == [1, 4]  # the first run; larger batches not timed after it

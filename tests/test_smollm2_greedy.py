@@ -4,6 +4,8 @@ is in the batch, with requests joining mid-flight, under preemption and under ch
 import pytest
 import torch
 
+from engine.backends import cpu as cpu_backend
+from engine.backends.greedy_head import Int8ScreenedHead
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.llm import LLM
@@ -50,10 +52,29 @@ def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected):
     layer = engine.model.layers[0]
     if engine.backend.name == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
         assert layer.mlp.down_proj.kernel.packed.dtype == layer.self_attn.qkv_proj.kernel.packed.dtype == torch.uint8
-        assert engine.model.lm_head.kernel.packed.dtype == torch.int8 and engine.backend.greedy_head is None
+        assert engine.model.lm_head.kernel.packed.dtype == torch.int8
+        # the exact head's int8 screen where start-up timed it faster (test_greedy_tokens_from_the_int8_screen)
+        assert engine.backend.greedy_head is None or isinstance(engine.backend.greedy_head, Int8ScreenedHead)
     tokens = run_staggered(engine, prompt_ids, ARRIVALS)
     assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
     assert engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.skipif(not cpu.q8x_available(), reason="no integer dot products on this CPU")
+def test_greedy_tokens_from_the_int8_screen(prompt_ids, expected, monkeypatch):
+    """The Q8_0 head's int8 screen, taken here whatever start-up timing would choose: plain greedy steps of every
+    batch size never compute the full logits, and the tokens are transformers' (the exact head's)."""
+    monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen: (1, 64))
+    engine = engine_with()
+    screen = engine.backend.greedy_head
+    assert isinstance(screen, Int8ScreenedHead) and (screen.min_rows, screen.max_rows) == (1, 64)
+    calls, decided = [], []
+    compute_logits, argmax = engine.model.compute_logits, screen.argmax
+    engine.model.compute_logits = lambda hidden: calls.append(hidden.shape[0]) or compute_logits(hidden)
+    screen.argmax = lambda hidden: decided.append(hidden.shape[0]) or argmax(hidden)
+    tokens = run_staggered(engine, prompt_ids, ARRIVALS)
+    assert [tokens[str(i)] for i in range(len(prompt_ids))] == expected
+    assert calls == [] and max(decided) >= 4  # every step's tokens from the screen, batches of several rows too
 
 
 def test_greedy_identical_under_preemption(prompt_ids, expected):

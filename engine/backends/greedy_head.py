@@ -13,8 +13,14 @@ picks, is the argmax of the full logits.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
+from engine.sampler import argmax_rows
 from kernels import cpu as cpu_kernels
 
 # NOTE: the int8 product streams a quarter of the bytes but widens every weight, so it is compute-bound sooner:
@@ -84,3 +90,109 @@ class ScreenedGreedyHead:
         approx = cpu_kernels.linear_int8(hidden, self.quantized, self.scales, self.vocab_size)
         tokens = cpu_kernels.screened_argmax(hidden, approx, self.error, self.packed_head, MAX_CANDIDATES)
         return None if bool((tokens < 0).any()) else tokens
+
+
+# Row counts at which start-up times a block head's int8 screen against its exact product (``screen_rows``).
+SCREEN_TIMING_ROWS = (1, 4, 16, 64, 256)
+
+
+class Int8ScreenedHead:
+    """The argmax of the exact product of an LM head held as Q8 panels (a GGUF file's Q8_0 output, or the Q8_0 token
+    table tied to it, as SmolLM2's), from the int8-activation product of the same panels, for up to ``max_rows``
+    rows. That product (``linear(..., int8_activations=True)``: integer dot products, VNNI's or maddubs) runs
+    2-3x faster than the exact one from 4 rows on, and it is within ``||w'_j|| s`` of the exact logit l_j, where w'_j
+    is column j's weights (the fp32 values the exact product uses, d q with no rounding) and for the row h:
+        |a_j - h^.w'_j| <= g(B + 4) ||h^|| ||w'_j||   (the integer sums exact; per 32 k two roundings, then the sum)
+        |h^.w'_j - h.w'_j| <= E ||w'_j||               (Cauchy-Schwarz, E = ||h - h^||, the int8 rounding of h)
+        |h.w'_j - l_j| <= g(K + 1) ||h|| ||w'_j||      (the exact product's FMAs, in any order)
+    with h^ the rounded row (||h^|| <= ||h|| + E), B = K / 32 and g(n) = n u / (1 - n u), u = 2^-24. So
+        s = E (1 + 2 g) + 3 g ||h||,   g = g(K + 8),
+    one g more than the sum needs, rounded up by a relative 2^-20. E is measured per row from the very rounding the
+    product applies (``q8x_rounding_error``). The columns whose bound reaches the best lower bound are recomputed
+    exactly (``screened_argmax``, a median of ~7 on SmolLM2), so the token is the exact head's."""
+
+    def __init__(self, packed: torch.Tensor, vocab_size: int, rows: tuple[int, int] = (1, 1 << 30)) -> None:
+        if packed.dtype != torch.int8:
+            raise ValueError(f"an int8 screen takes Q8 panels, got {packed.dtype}")
+        self.packed, self.vocab_size = packed, vocab_size
+        self.min_rows, self.max_rows = rows  # the batch sizes it takes (start-up's timing: screen_rows)
+        norms = [cpu_kernels.embed_rows(packed, torch.arange(i, min(i + BUILD_ROWS, vocab_size)), vocab_size)
+                 .double().norm(dim=1) for i in range(0, vocab_size, BUILD_ROWS)]
+        self.error = torch.cat(norms) * (1 + 2.0**-20)
+        if not torch.isfinite(self.error).all():
+            raise ValueError("the LM head has non-finite weights")
+        k = packed.shape[1] * 32
+        u = 2.0**-24
+        self.gamma = (k + 8) * u / (1 - (k + 8) * u)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Token ids [M] int64 for hidden [M, K] fp32, or None where the screen is not used (M outside ``min_rows``
+        .. ``max_rows``) or a value is not finite. A row with more than ``MAX_CANDIDATES`` candidates (a flat
+        distribution, or a row whose int8 rounding errs much: an outlier sharing its 32 inputs with small values)
+        takes its token from its exact logits, as the full head would give it."""
+        m = hidden.shape[0]
+        if m == 0 or not self.min_rows <= m <= self.max_rows:
+            return None
+        approx = cpu_kernels.linear(hidden, self.packed, self.vocab_size, int8_activations=True)
+        scale = self.row_scale(hidden)
+        if not bool(torch.isfinite(scale).all()):
+            return None
+        tokens = cpu_kernels.screened_argmax(hidden, approx, self.error, self.packed, MAX_CANDIDATES, scale)
+        undecided = (tokens < 0).nonzero().flatten()
+        if len(undecided):  # NOTE: 3 of ~60 steps of the 8 test prompts on SmolLM2 have such a row
+            rows = hidden[undecided]
+            tokens[undecided] = argmax_rows(cpu_kernels.linear(rows, self.packed, self.vocab_size))
+        return tokens
+
+    def row_scale(self, hidden: torch.Tensor) -> torch.Tensor:
+        """s [M] float64: |int8-activation logit j - exact logit j| <= s_m error_j for row m of ``hidden``."""
+        rounding, g = cpu_kernels.q8x_rounding_error(hidden), self.gamma
+        return (rounding * (1 + 2 * g) + 3 * g * hidden.double().norm(dim=1)) * (1 + 2.0**-20)
+
+
+BUILD_ROWS = 4096  # head columns read back at a time while building: 9 MB of fp32 at K = 576
+
+
+def screen_rows(screen: Int8ScreenedHead) -> tuple[int, int]:
+    """The batch sizes for which ``screen`` measured faster than the exact head and its argmax: the first run of
+    ``SCREEN_TIMING_ROWS`` at each of which it won, as (fewest, most) rows, or (0, 0). Each call finds the head out
+    of the caches, as a step does after streaming the layers' weights: one row is bound by reading the head either
+    way, and the screen only adds to it; from a few rows on the exact product's FMAs bound it and the integer dot
+    products win. The rows are the head's own columns, scaled: each has a clear argmax and few candidates, as a
+    confident token has. Measured here, as the int8 dot product's speed against the FMAs' differs from one CPU to
+    the next (AVX2's maddubs is no faster than the exact product at 64 rows)."""
+    packed, vocab = screen.packed, screen.vocab_size
+    flush = torch.zeros(_flush_bytes() // 4)
+    wins = []
+    for rows in SCREEN_TIMING_ROWS:
+        hidden = cpu_kernels.embed_rows(packed, torch.linspace(0, vocab - 1, rows).long(), vocab) * 4.0
+        screened = _cold_seconds(partial(screen.argmax, hidden), flush)
+        exact = _cold_seconds(lambda h=hidden: argmax_rows(cpu_kernels.linear(h, packed, vocab)), flush)
+        if screened < exact:
+            wins.append(rows)
+        elif wins:
+            break  # the run has ended: larger batches are not timed
+    return (wins[0], wins[-1]) if wins else (0, 0)
+
+
+def _flush_bytes() -> int:
+    """Four times the last-level cache, at least 128 MiB: a pass over that many bytes evicts what was cached before.
+    NOTE: after a pass over 64 MiB (twice the L3 an AMD EPYC guest reports), a 1-row int8 product over SmolLM2's
+    32 MB head still took 0.73-0.81 ms against 1.12 after 256 MiB: a part of the head had stayed cached."""
+    try:
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        l3 = 0
+    return max(4 * l3, 128 << 20)
+
+
+def _cold_seconds(fn: Callable[[], object], flush: torch.Tensor, rounds: int = 3) -> float:
+    """The fastest of ``rounds`` calls of ``fn``, each after ``flush`` has been written over."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        flush.add_(1.0)
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
