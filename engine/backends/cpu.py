@@ -13,7 +13,9 @@ What it does with a model (``prepare``):
 - steps of short queries, or of prompt chunks within ``DECODER_MAX_PREFILL_CONTEXT`` positions, run every layer
   in one C call (``kernels/cpu/decoder.py``); other steps go through the model's modules and torch's flash SDPA;
 - greedy steps of up to 8 rows take their tokens from a screened int8 copy of an fp32 LM head (``greedy_head.py``);
-  where AMX computes the LM head, greedy steps take each row's argmax as the tiles produce the logits, which are
+  an exact head of Q8 panels (a GGUF file's Q8_0, as the default model's) is screened by its own int8-activation
+  product, for the batch sizes at which start-up timed that faster; either way the tokens are the exact head's.
+  Where AMX computes the LM head, greedy steps take each row's argmax as the tiles produce the logits, which are
   never written (``argmax_linear``: the same products, so the same tokens).
 """
 
@@ -38,7 +40,7 @@ from engine.backends.gemm_plan import (
     measure_plan,
     seconds_per_call,
 )
-from engine.backends.greedy_head import ScreenedGreedyHead, pack_head
+from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_rows
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
 from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
@@ -137,7 +139,7 @@ class CpuBackend(TorchBackend):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.decoder: Decoder | None = None
-        self.greedy_head: ScreenedGreedyHead | None = None
+        self.greedy_head: ScreenedGreedyHead | Int8ScreenedHead | None = None
         self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
         self.int8_activations = False
@@ -246,6 +248,9 @@ class CpuBackend(TorchBackend):
                                               requires_grad=False)
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
+        elif (head is not None and head.dtype == torch.int8 and model.lm_head.bias is None
+              and not self.int8_activations and cpu_kernels.q8x_available()):
+            self.greedy_head = _int8_screen(head, vocab)
         kernel, probe = model.lm_head.kernel, torch.zeros(1, model.config.hidden_size)
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
@@ -343,6 +348,16 @@ def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLi
         dots = sorted(dots, key=seconds.get)
     use(dots[0])
     return dots[0]
+
+
+def _int8_screen(head: torch.Tensor, vocab: int) -> Int8ScreenedHead | None:
+    """A greedy screen for an exact LM head of Q8 panels, for the row counts at which start-up measured it faster
+    than the head itself, or None."""
+    screen = Int8ScreenedHead(head, vocab)
+    screen.min_rows, screen.max_rows = screen_rows(screen)
+    logger.info("greedy tokens from the LM head's int8 screen: %s", f"at {screen.min_rows}-{screen.max_rows} rows"
+                if screen.max_rows else "not faster than the exact head here")
+    return screen if screen.max_rows else None
 
 
 def _amx_panels(weight: torch.Tensor) -> torch.Tensor:
