@@ -13,6 +13,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from engine import LLM, SamplingParams
+from engine.backends import cpu as cpu_backend
+from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead
 from kernels import cpu
 from kernels.cpu import blocks
 from tests.conftest import hf_greedy
@@ -245,8 +247,9 @@ GRIDS = {  # how a checkpoint's weights are snapped, the switch that turns their
 @pytest.mark.parametrize("grid", sorted(GRIDS))
 def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tiny_model, tmp_path, monkeypatch):
     """The tiny Llama with every projection and its untied LM head snapped to the grid: the same logprobs with the
-    format on and off, and transformers' greedy tokens. A head of Q4 or Q8 blocks takes their panels and is not
-    screened; a bf16 one keeps fp32 panels, which the screened greedy head reads."""
+    format on and off, and transformers' greedy tokens. A head of Q4 or Q8 blocks takes their panels, and only a Q8
+    one may be screened (by its int8-activation product); a bf16 one keeps fp32 panels, which the screened greedy
+    head reads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     snap, _, dtype = GRIDS[grid]
@@ -262,6 +265,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 30, 70)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     results = []
+    monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen: (1, 256))
     for enabled in ("1", "0"):
         for each in {switch for _, switch, _ in GRIDS.values()}:  # off: all of them (Q4_0 blocks fit Q8 panels too)
             monkeypatch.setenv(each, enabled)
@@ -273,7 +277,10 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
                    and hasattr(m.kernel, "out_features")}
         assert formats == ({dtype, head} if enabled == "1" else {torch.float32})
         assert model.lm_head.kernel.packed.dtype == head
-        assert (llm.engine.backend.greedy_head is None) == (head != torch.float32)
+        greedy = llm.engine.backend.greedy_head  # Q8 panels: by their int8 product (timing aside, patched above)
+        expected = (ScreenedGreedyHead if head == torch.float32
+                    else Int8ScreenedHead if head == torch.int8 and cpu.q8x_available() else type(None))
+        assert type(greedy) is expected
         # an untied embedding of Q4/Q8 blocks is looked up from its own panels, and its fp32 table freed
         assert (model.embed_tokens.kernel is not None) == (head != torch.float32)
         assert model.embed_tokens.weight.numel() == (0 if head != torch.float32 else 512 * 64)
