@@ -98,9 +98,10 @@ SCREEN_TIMING_ROWS = (1, 4, 16, 64, 256)
 
 class Int8ScreenedHead:
     """The argmax of the exact product of an LM head held as Q8 panels (a GGUF file's Q8_0 output, or the Q8_0 token
-    table tied to it, as SmolLM2's), from the int8-activation product of the same panels, for up to ``max_rows``
-    rows. That product (``linear(..., int8_activations=True)``: integer dot products, VNNI's or maddubs) runs
-    2-3x faster than the exact one from 4 rows on, and it is within ``||w'_j|| s`` of the exact logit l_j, where w'_j
+    table tied to it, as SmolLM2's), from the int8-activation product of the same panels, for batches of
+    ``min_rows`` .. ``max_rows`` rows. That product (``linear(..., int8_activations=True)``: integer dot products,
+    VNNI's or maddubs) ran ~2x faster than the exact one from 16 rows on (AVX-512 VNNI, the head out of the caches,
+    docs/benchmarks.md), and it is within ``||w'_j|| s`` of the exact logit l_j, where w'_j
     is column j's weights (the fp32 values the exact product uses, d q with no rounding) and for the row h:
         |a_j - h^.w'_j| <= g(B + 4) ||h^|| ||w'_j||   (the integer sums exact; per 32 k two roundings, then the sum)
         |h^.w'_j - h.w'_j| <= E ||w'_j||               (Cauchy-Schwarz, E = ||h - h^||, the int8 rounding of h)
@@ -109,7 +110,8 @@ class Int8ScreenedHead:
         s = E (1 + 2 g) + 3 g ||h||,   g = g(K + 8),
     one g more than the sum needs, rounded up by a relative 2^-20. E is measured per row from the very rounding the
     product applies (``q8x_rounding_error``). The columns whose bound reaches the best lower bound are recomputed
-    exactly (``screened_argmax``, a median of ~7 on SmolLM2), so the token is the exact head's."""
+    exactly (``screened_argmax``: a median of 1 a row, p90 23, on SmolLM2's hidden states), so the token is the
+    exact head's. Building it and timing it (``screen_rows``) add ~1 s to the default model's start."""
 
     def __init__(self, packed: torch.Tensor, vocab_size: int, rows: tuple[int, int] = (1, 1 << 30)) -> None:
         if packed.dtype != torch.int8:
