@@ -343,7 +343,7 @@ def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLi
     product of the process: measured here rather than assumed from the CPU's flags. The bodies take turns over
     ``TIMING_ROUNDS`` rounds and each keeps its best. NOTE: timed one after the other, once each, the fp32 bodies
     on an AMD EPYC with AVX-512 read 4.01 / 1.35 ms (the first timed paid for the start) and 3.62 / 3.70 (the
-    machine slow for a moment): that server kept the body whose 64-client forward is 8-10% slower for its life.
+    machine slow for a moment): that server kept the body whose 64-client forward is 8-13% slower for its life.
     Three turns still read 1.89 / 2.56 once in six starts."""
     if len(dots) > 1:
         seconds = dict.fromkeys(dots, float("inf"))
