@@ -247,3 +247,16 @@ def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
     faster.update({1: True, 4: False, 16: True})
     timed.clear()
     assert screen_rows(head) == (1, 1) and timed == [1, 4]  # the first run; larger batches not timed after it
+    # a head whose exact product takes longer than the budget from 16 rows on: larger counts are not timed
+    monkeypatch.setattr(greedy_head, "SCREEN_TIMING_CALL_S", 2.5)
+    exact_seconds = {1: 2.0, 4: 2.0, 16: 3.0}
+
+    def slow(fn, flush, rounds=3):
+        if isinstance(fn, partial):
+            timed.append(fn.args[0].shape[0])
+            return 1.0
+        return exact_seconds[timed[-1]]
+
+    monkeypatch.setattr(greedy_head, "_cold_seconds", slow)
+    timed.clear()
+    assert screen_rows(head) == (1, 16) and timed == [1, 4, 16]

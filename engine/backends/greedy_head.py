@@ -92,8 +92,11 @@ class ScreenedGreedyHead:
         return None if bool((tokens < 0).any()) else tokens
 
 
-# Row counts at which start-up times a block head's int8 screen against its exact product (``screen_rows``).
+# Row counts at which start-up times a block head's int8 screen against its exact product (``screen_rows``), up
+# to the first whose exact call takes longer than SCREEN_TIMING_CALL_S: a real-size model's head (128k x 4096 as
+# Q8_0) would spend seconds of every start on its larger counts, which then keep the exact head.
 SCREEN_TIMING_ROWS = (1, 4, 16, 64, 256)
+SCREEN_TIMING_CALL_S = 0.05
 
 
 class Int8ScreenedHead:
@@ -174,6 +177,8 @@ def screen_rows(screen: Int8ScreenedHead) -> tuple[int, int]:
             wins.append(rows)
         elif wins:
             break  # the run has ended: larger batches are not timed
+        if exact > SCREEN_TIMING_CALL_S:
+            break
     return (wins[0], wins[-1]) if wins else (0, 0)
 
 
