@@ -243,6 +243,7 @@ def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
         return 2.0
 
     monkeypatch.setattr(greedy_head, "_cold_seconds", fake)
+    monkeypatch.setattr(greedy_head, "SCREEN_TIMING_CALL_S", 10.0)  # every exact call within the budget
     assert screen_rows(head) == (4, 64) and timed == [1, 4, 16, 64, 256]
     faster.update({1: True, 4: False, 16: True})
     timed.clear()
