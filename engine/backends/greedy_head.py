@@ -116,11 +116,11 @@ class Int8ScreenedHead:
     exactly (``screened_argmax``: a median of 1 a row, p90 23, on SmolLM2's hidden states), so the token is the
     exact head's. Building it and timing it (``screen_rows``) add ~1 s to the default model's start."""
 
-    def __init__(self, packed: torch.Tensor, vocab_size: int, rows: tuple[int, int] = (1, 1 << 30)) -> None:
+    def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
         if packed.dtype != torch.int8:
             raise ValueError(f"an int8 screen takes Q8 panels, got {packed.dtype}")
         self.packed, self.vocab_size = packed, vocab_size
-        self.min_rows, self.max_rows = rows  # the batch sizes it takes (start-up's timing: screen_rows)
+        self.min_rows, self.max_rows = 1, 1 << 30  # every batch size, until start-up's timing narrows it (screen_rows)
         norms = [cpu_kernels.embed_rows(packed, torch.arange(i, min(i + BUILD_ROWS, vocab_size)), vocab_size)
                  .double().norm(dim=1) for i in range(0, vocab_size, BUILD_ROWS)]
         self.error = torch.cat(norms) * (1 + 2.0**-20)
