@@ -2,8 +2,9 @@
 supervises the engine.
 
 Each HTTP request gets one asyncio queue; every step's outputs are detokenized here (not in the engine process,
-which keeps stepping meanwhile) and the affected requests are woken. A request whose consumer goes away
-(client disconnect, cancellation) is aborted in the engine, so its blocks are freed within one step.
+which keeps stepping meanwhile) and each output goes to its request's queue as an ``Update``. A request whose
+consumer goes away (client disconnect, cancellation) is aborted in the engine, so its blocks are freed within one
+step.
 
 Supervision: the API process outlives its engine. When the engine dies (killed by the OOM killer, crashed on a bug)
 or stalls with work in flight, every request in flight fails at once with a 503 that says so, and a new engine is
@@ -70,6 +71,18 @@ class Choice:
     prompt_token_ids: list[int]
     params: SamplingParams
     index: int
+
+
+@dataclass(frozen=True)
+class Update:
+    """One engine output of one choice, as it stood when it came in. The choice's ``state`` is shared and moves on
+    with later outputs before a slow reader (a stream whose client reads slowly) takes this one: the figures here
+    let a stream send one chunk per output, as vLLM does, instead of merging the outputs it fell behind on."""
+
+    state: RequestState
+    num_tokens: int  # of state.token_ids
+    text_end: int  # how much of state.text may be shown (stop strings hold back a tail)
+    finished: bool
 
 
 @dataclass
@@ -206,10 +219,10 @@ class AsyncEngine:
                 await asyncio.gather(task, return_exceptions=True)
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    async def generate(self, choices: list[Choice], arrival_time: float | None = None) -> AsyncIterator[RequestState]:
-        """Yield a choice's state each time it changes, until every choice has finished. Leaving early (an error,
-        a disconnect, a cancelled task) aborts whatever is still running. ``arrival_time``: when the HTTP request
-        came in (``time.monotonic()``), where it did, for the engine's timelines."""
+    async def generate(self, choices: list[Choice], arrival_time: float | None = None) -> AsyncIterator[Update]:
+        """Yield an ``Update`` for each engine output of a choice, in order, until every choice has finished.
+        Leaving early (an error, a disconnect, a cancelled task) aborts whatever is still running. ``arrival_time``:
+        when the HTTP request came in (``time.monotonic()``), where it did, for the engine's timelines."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         events: asyncio.Queue = asyncio.Queue()
@@ -229,10 +242,9 @@ class AsyncEngine:
                 item = await events.get()
                 if isinstance(item, Exception):
                     raise item
-                state = self.processor.states[item]
-                if state.finished:
-                    unfinished.discard(item)
-                yield state
+                if item.finished:
+                    unfinished.discard(item.state.request_id)
+                yield item
         finally:
             if unfinished and self.dead_reason is None:
                 self.client.send(AbortRequests(sorted(unfinished)))
@@ -287,11 +299,14 @@ class AsyncEngine:
             if output.error is not None:
                 queue.put_nowait(RequestRejectedError(output.error))
                 continue
+            if self.processor.states[output.request_id].finished:
+                continue  # a step's output after a stop string ended it here, before the engine heard of it
             state, stopped_by_string = self.processor.process(output)
             if stopped_by_string:
                 stopped.append(output.request_id)
             self._observe(output.request_id, len(output.new_token_ids), output.queue_time, state.finished, now)
-            queue.put_nowait(output.request_id)
+            queue.put_nowait(Update(state, len(state.token_ids), state.detokenizer.stable_text_end(state.finished),
+                                    state.finished))
         if stopped:
             self.client.send(AbortRequests(stopped))
 

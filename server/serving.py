@@ -172,10 +172,10 @@ class OpenAIServing:
         finished: dict[int, RequestState] = {}
 
         async def consume() -> None:
-            async with aclosing(self.engine.generate(choices, arrival)) as states:
-                async for state in states:
-                    if state.finished:
-                        finished[state.index] = state
+            async with aclosing(self.engine.generate(choices, arrival)) as updates:
+                async for update in updates:
+                    if update.finished:
+                        finished[update.state.index] = update.state
 
         task = asyncio.create_task(consume())
         try:
@@ -223,28 +223,28 @@ class OpenAIServing:
                     yield event({**chunk_header, "choices": [fmt.chunk_choice(c.index, text, None, None, None)],
                                  **extra})
             async with aclosing(self.engine.generate(choices, arrival)) as updates:
-                async for state in updates:
+                async for update in updates:
+                    state, finished = update.state, update.finished
                     i = state.index
                     states[i] = state
-                    end = state.detokenizer.stable_text_end(state.finished)
-                    text = state.text[sent_text[i] : end]
-                    new_ids = state.token_ids[sent_tokens[i] :]
+                    text = state.text[sent_text[i] : update.text_end]
+                    new_ids = state.token_ids[sent_tokens[i] : update.num_tokens]
                     # NOTE: a token whose text is held back (half a UTF-8 character, a possible stop string) still
                     # gets its chunk, with empty text, as vLLM sends it: one chunk per token keeps a client's
                     # inter-token timing honest instead of merging two tokens' gaps into one.
-                    if not text and not new_ids and not state.finished and i not in first_chunk:
+                    if not text and not new_ids and not finished and i not in first_chunk:
                         continue
                     logprobs = None
                     if num_logprobs is not None and new_ids:
-                        entries = state.logprobs[sent_tokens[i] :]
+                        entries = state.logprobs[sent_tokens[i] : update.num_tokens]
                         logprobs = fmt.logprobs(new_ids, entries, num_logprobs, text_offset[i])
                         text_offset[i] += sum(len(fmt.token_text(t)) for t in new_ids)
-                    sent_text[i], sent_tokens[i] = end, len(state.token_ids)
-                    finish = state.finish_reason if state.finished else None
+                    sent_text[i], sent_tokens[i] = update.text_end, update.num_tokens
+                    finish = state.finish_reason if finished else None
                     stop_reason = state.stop_reason if finish else None
                     calls: list[dict] = []
                     if readers:
-                        delta = readers[i].feed(text, state.finished)
+                        delta = readers[i].feed(text, finished)
                         text, calls = delta.content, delta.tool_calls
                         if calls:
                             called.add(i)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from engine.limits import EngineLimits
 from engine.messages import AbortRequests, AddRequest, EngineFailed, EngineInfo, StepOutputs
-from engine.outputs import EngineCoreOutput, EngineStats
+from engine.outputs import EngineCoreOutput, EngineStats, Logprob
 from engine.sampling_params import SamplingParams
 from server import async_engine
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
@@ -63,6 +64,51 @@ def test_an_output_with_an_error_fails_its_request_and_aborts_its_siblings(smoll
     abort = client.sent[-1]
     assert isinstance(abort, AbortRequests) and "r-1" in abort.request_ids  # (r-0's id is one the engine ignores)
     assert engine.num_in_flight == 0
+
+
+class SteppingClient(ScriptedClient):
+    """Sends each scripted output as a step of its own, every one before the consumer runs: a reader (a stream to a
+    slow client) that has fallen behind the engine by all of them."""
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+        if isinstance(message, AddRequest):
+            for output in self.script[message.request_id]:
+                asyncio.get_running_loop().call_soon(self.handler, StepOutputs([output], STATS))
+
+
+def test_a_stream_that_falls_behind_still_sends_a_chunk_per_output(smollm2_tokenizer):
+    """The choice's state has taken every token before the stream reads the first output: the stream still sends
+    one chunk per token, each with its own token's logprobs, the text held back for the stop string included, and
+    nothing after the stop string (the engine's next output for it is dropped, the request aborted)."""
+    from server.formats import CompletionFormat, TokenText
+    from server.prompts import Prompt
+    from server.serving import OpenAIServing
+
+    ids = smollm2_tokenizer.encode(" 4, 5, 6, 7")
+    entries = [{t: Logprob(-0.5 - k, 1)} for k, t in enumerate(ids)]
+    outputs = [EngineCoreOutput("r-0", [t], [e]) for t, e in zip(ids, entries, strict=True)]
+    client = SteppingClient({"r-0": outputs})
+    engine = AsyncEngine(client, smollm2_tokenizer, Metrics("m"))
+    serving = OpenAIServing(engine, smollm2_tokenizer, "m", max_waiting_requests=4)
+    params = SamplingParams(max_tokens=len(ids), stop=[", 6"], logprobs=0)
+    choice = Choice("r-0", [1, 2, 3], params, 0)
+
+    async def stream() -> list[dict]:
+        events = [e async for e in serving._stream({"id": "x"}, [choice], [Prompt(None, [1, 2, 3])],
+                                                   CompletionFormat(TokenText(smollm2_tokenizer)), 0, False, False,
+                                                   3, None, 0.0)]
+        assert events[-1] == "data: [DONE]\n\n"
+        return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+    chunks = [c["choices"][0] for c in asyncio.run(stream())]
+    kept = next(ids[:k] for k in range(1, len(ids)) if ", 6" in smollm2_tokenizer.decode(ids[:k]))
+    assert len(kept) < len(ids) - 1  # outputs come after the stop string's
+    assert len(chunks) == len(kept)
+    assert [c["logprobs"]["token_logprobs"] for c in chunks] == [[-0.5 - k] for k in range(len(kept))]
+    assert "".join(c["text"] for c in chunks) == " 4, 5"
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(kept) - 1) + ["stop"]
+    assert isinstance(client.sent[-1], AbortRequests) and engine.num_in_flight == 0
 
 
 class DyingClient(ScriptedClient):
