@@ -172,10 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads")
     parser.add_argument("--quantized-matmul", default="exact", choices=["exact", "int8"], help="a GGUF file's products")
     parser.add_argument("--max-model-len", type=int, default=None, help="cap the context (a large model's pool)")
+    parser.add_argument("--gemm-kernels", default="auto", choices=["auto", "c", "onednn"],
+                        help="the products' family (auto: timed at start-up)")
     args = parser.parse_args(argv)
 
     llm = LLM(args.model, attention_backend=args.attention_backend, num_threads=args.num_threads, dtype=args.dtype,
-              quantized_matmul=args.quantized_matmul, max_model_len=args.max_model_len)
+              quantized_matmul=args.quantized_matmul, max_model_len=args.max_model_len,
+              gemm_kernels=args.gemm_kernels)
     engine = llm.engine
     use_profiler = engine.backend.name != "cpu"
     totals: dict[str, float] = defaultdict(float)
