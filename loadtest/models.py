@@ -10,9 +10,10 @@ The quantized blocks are written directly, with random bits and scales chosen so
 32 GB). A ``q4_k_m`` file mixes types as llama.cpp's Q4_K_M does: Q4_K everywhere, Q6_K for the output (a tied
 model's token table, which is its output too) and for ``attn_v``/``ffn_down`` in the first and last eighth of the
 layers and every third layer between; ``q5_k_m`` likewise, with Q5_K for Q4_K. The tokenizer is the bundled
-SmolLM2's (BPE, its merges and chat template), its token list padded with reserved tokens up to the shape's
-vocabulary. ``bf16`` writes a Hugging Face folder instead (config, the same tokenizer, weights of N(0, 0.02) in bf16
-safetensors, one shard a layer so that no more than a layer is ever in memory).
+SmolLM2's (BPE, its merges and chat template), its token list padded up to the shape's vocabulary with plain
+tokens and, last, 256 reserved special tokens, as Llama 3's ends. ``bf16`` writes a Hugging Face folder instead
+(config, the same tokenizer, weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that no more than a
+layer is ever in memory).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,7 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
 }
 QUANTS = ("q4_k_m", "q5_k_m", "q8_0", "bf16")
+RESERVED_SPECIAL = 256  # reserved special tokens at the end of a padded vocabulary, as Llama 3 has
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -122,7 +125,12 @@ def _dims(shape: Shape, name: str) -> tuple[int, int]:
     return shape.vocab, shape.hidden  # token_embd, output
 
 
-def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
+def _vocabulary(vocab: int) -> tuple[list[str], list[int], Callable[[str], object]]:
+    """The bundled tokenizer's tokens and token types padded up to ``vocab``, and its file's fields. The padding is
+    plain tokens that no merge reaches, then up to RESERVED_SPECIAL reserved special tokens, as Llama 3's
+    vocabulary (128000 plain, 256 special) ends.
+    NOTE: all padding was special tokens before: ~100k of them for the 7-8B shapes, which no real file has, and
+    transformers took ~5 s and ~0.4 GB over them at every tokenizer load; the load figures measured them."""
     from engine.model_loader import default_gguf_path
 
     source = FastGGUFReader(default_gguf_path())
@@ -131,10 +139,19 @@ def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
     pad = vocab - len(tokens)
     if pad < 0:
         raise ValueError(f"vocabulary {vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+    special = min(pad, RESERVED_SPECIAL)
+    tokens += [f"<filler_{i}>" for i in range(pad - special)] + [f"<|reserved_special_token_{i}|>"
+                                                                 for i in range(special)]
+    types += [TokenType.NORMAL] * (pad - special) + [TokenType.CONTROL] * special
+    return tokens, types, field
+
+
+def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
+    tokens, types, field = _vocabulary(vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    writer.add_token_list(tokens + [f"<|reserved_special_token_{i}|>" for i in range(pad)])
-    writer.add_token_types(types + [TokenType.CONTROL] * pad)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
     writer.add_token_merges(list(field("tokenizer.ggml.merges")))
     writer.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
     writer.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
@@ -244,14 +261,26 @@ def cached_model(shape_name: str, quant: str, seed: int = 0) -> Path:
         path = root / f"{shape_name}-bf16-seed{seed}"
         return path if path.exists() else write_hf_bf16(SHAPES[shape_name], path, seed)
     path = root / f"{shape_name}-{quant}-seed{seed}.gguf"
-    if path.exists() and _types_of(path) == {n: t.name for n, t in tensor_types(SHAPES[shape_name], quant).items()}:
+    if path.exists() and _is_current(path, SHAPES[shape_name], quant):
         return path
-    return write_model(SHAPES[shape_name], quant, path, seed, shape_name)  # anew where an older mix wrote it
+    return write_model(SHAPES[shape_name], quant, path, seed, shape_name)  # anew where an older generator wrote it
+
+
+def _is_current(path: Path, shape: Shape, quant: str) -> bool:
+    """Whether the file has the mix of types and the vocabulary this generator writes now."""
+    reader = FastGGUFReader(path)
+    if _types_in(reader) != {n: t.name for n, t in tensor_types(shape, quant).items()}:
+        return False
+    return list(reader.fields["tokenizer.ggml.token_type"].contents()) == _vocabulary(shape.vocab)[1]
 
 
 def _types_of(path: Path) -> dict[str, str]:
+    return _types_in(FastGGUFReader(path))
+
+
+def _types_in(reader: FastGGUFReader) -> dict[str, str]:
     """The type of each quantized tensor of a file, by its GGUF name."""
-    return {t.name: t.tensor_type.name for t in FastGGUFReader(path).tensors if t.tensor_type.name != "F32"}
+    return {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type.name != "F32"}
 
 
 def main(argv: list[str] | None = None) -> None:

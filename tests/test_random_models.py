@@ -69,6 +69,32 @@ def test_a_tied_token_table_gets_the_outputs_type_as_llama_cpp_gives_it(tmp_path
     assert models.cached_model("tiny", "q4_k_m").stat().st_mtime_ns == written  # a current one is kept
 
 
+def test_a_padded_vocabulary_is_plain_tokens_then_256_special_ones(tmp_path, monkeypatch, smollm2_tokenizer):
+    """As Llama 3's ends: a tokenizer of ~100k special tokens (the padding before) took transformers ~5 s to load.
+    The padding changes no encoding, and a cached file of the older padding is written again."""
+    from dataclasses import replace
+
+    from engine.model_loader import load_tokenizer, resolve_model
+    from loadtest import models
+
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    tiny = replace(SMALL, layers=1, vocab=SMALL.vocab + 300)
+    monkeypatch.setitem(models.SHAPES, "tiny", tiny)
+    path = models.cached_model("tiny", "q8_0")
+    tokenizer = load_tokenizer(resolve_model(str(path)))
+    base, plain = len(smollm2_tokenizer), tiny.vocab - len(smollm2_tokenizer) - 256
+    assert len(tokenizer) == tiny.vocab and plain > 0
+    assert tokenizer.convert_ids_to_tokens([base, base + plain - 1, base + plain, tiny.vocab - 1]) == [
+        "<filler_0>", f"<filler_{plain - 1}>", "<|reserved_special_token_0|>", "<|reserved_special_token_255|>"]
+    assert len(tokenizer.added_tokens_decoder) == len(smollm2_tokenizer.added_tokens_decoder) + 256
+    text = "Hello there, <filler_3> is text here."
+    assert tokenizer.encode(text) == smollm2_tokenizer.encode(text)
+    # a file padded all with special tokens, as the generator wrote it before, is not current
+    older = models._vocabulary(tiny.vocab)[1][:base] + [models.TokenType.CONTROL] * (tiny.vocab - base)
+    monkeypatch.setattr(models, "_vocabulary", lambda vocab: ([], older, None))
+    assert not models._is_current(path, tiny, "q8_0")
+
+
 def test_the_real_shapes_have_k_quant_rows():
     for shape in SHAPES.values():  # every input dimension must hold whole 256-value blocks
         assert shape.hidden % 256 == 0 and shape.intermediate % 256 == 0
