@@ -275,10 +275,6 @@ def _is_current(path: Path, shape: Shape, quant: str) -> bool:
     return list(reader.fields["tokenizer.ggml.token_type"].contents()) == _vocabulary(shape.vocab)[1]
 
 
-def _types_of(path: Path) -> dict[str, str]:
-    return _types_in(FastGGUFReader(path))
-
-
 def _types_in(reader: FastGGUFReader) -> dict[str, str]:
     """The type of each quantized tensor of a file, by its GGUF name."""
     return {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type.name != "F32"}
