@@ -134,9 +134,9 @@ def _byte_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor
     return q.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
 
 
-# The K-quant panel formats (ops.c, Q4K_PANELS): per 256 inputs of a panel, d and dmin (Q6K: d) as floats, the
-# sub-scales four to a 32-bit lane of a column, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K)
-# block's.
+# The K-quant panel formats (ops.c, Q4K_PANELS): per 256 inputs of a panel, d and dmin as fp16 and the 12 bytes of
+# packed 6-bit scales and mins (Q4K, Q5K; Q6K: d as a float and the int8 scales), four bytes to a 32-bit lane of a
+# column, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K) block's.
 K_QUANT_DTYPES = {"q4k": torch.uint16, "q5k": torch.uint32, "q6k": torch.uint64}
 K_QUANT_NAMES = {torch.uint16: "Q4K", torch.uint32: "Q5K", torch.uint64: "Q6K"}
 SUPER = 256
@@ -150,7 +150,7 @@ GGUF_PANEL_DTYPES = {2: torch.uint8, 3: torch.uint8, 6: torch.int8, 8: torch.int
 
 def k_quant_block_bytes(dtype: torch.dtype, panel_width: int) -> int:
     """Bytes of one K-quant panel's 256 inputs."""
-    header = (4 + 16 if dtype == torch.uint64 else 8 + 16) * panel_width
+    header = (4 + 16 if dtype == torch.uint64 else 4 + 12) * panel_width
     return header + {torch.uint16: SUPER // 2, torch.uint64: SUPER * 3 // 4}.get(dtype, SUPER) * panel_width
 
 
@@ -169,8 +169,8 @@ def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
 
     if kind == "q6k":
         header = [columns(d.float()), columns(sub.view(torch.int8), 4)]
-    else:  # the 8 scales, then the 8 mins
-        header = [columns(d.float()), columns(dmin.float()), columns(sub[..., 0], 4), columns(sub[..., 1], 4)]
+    else:  # the file's fp16 d and dmin (exact), its 12 bytes of scales and mins
+        header = [columns(d.half()), columns(dmin.half()), columns(k4_packed(sub.reshape(n, supers, 8, 2)), 4)]
     if kind == "q4k":
         blocks = _nibble_blocks(q, panels, panel_width)
     elif kind == "q6k":
@@ -179,6 +179,16 @@ def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
         blocks = _byte_blocks(q, panels, panel_width)
     weights = blocks.view(torch.int8).reshape(panels, supers, -1)
     return torch.cat([*header, weights], dim=-1).contiguous().view(K_QUANT_DTYPES[kind])
+
+
+def k4_packed(sub: torch.Tensor) -> torch.Tensor:
+    """Q4_K's and Q5_K's eight 6-bit scales and mins [..., 8, 2] as the file packs them in 12 bytes [..., 12]
+    (ggml's get_scale_min_k4 undone): scales 0-3 and mins 0-3 in the low six bits of bytes 0-3 and 4-7, the high two
+    bits of scales and mins 4-7 above them, their low four bits in bytes 8-11 (scale low, min high)."""
+    sc, mn = sub[..., 0].to(torch.uint8), sub[..., 1].to(torch.uint8)
+    low, high = (sc[..., :4], mn[..., :4]), (sc[..., 4:], mn[..., 4:])
+    return torch.cat([low[0] | (high[0] >> 4) << 6, low[1] | (high[1] >> 4) << 6, (high[0] & 15) | (high[1] & 15) << 4],
+                     dim=-1)
 
 
 def _six_bit_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:

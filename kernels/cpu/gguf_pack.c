@@ -130,13 +130,15 @@ static void k4_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
     }
 }
 
-/* One K-quant super-block of column c into a Q4K, Q5K or Q6K panel super-block: d (and dmin), the sub-scales four
- * to a 32-bit lane (byte j of word i: group, or Q6K's 16-input half, 4 i + j), then eight groups of weights. */
+/* One K-quant super-block of column c into a Q4K, Q5K or Q6K panel super-block: Q6K's d as a float, its sixteen
+ * int8 scales four to a 32-bit lane (byte j of word i: the 16-input half 4 i + j); Q4K's and Q5K's d and dmin as the
+ * file's fp16, its 12 bytes of packed 6-bit scales and mins four to a lane (byte j of word i: byte 4 i + j); then
+ * eight groups of weights. */
 static void put_super(int type, const uint8_t *src, uint8_t *sb, int nr, int c) {
     static const uint8_t zeros[210];
     const int q6 = type == T_Q6_K;
     const uint8_t *s = src ? src : zeros;
-    uint8_t *lanes = sb + (q6 ? 4 : 8) * nr, *weights = sb + (q6 ? 4 + 16 : 8 + 16) * nr;
+    uint8_t *lanes = sb + 4 * nr, *weights = sb + (q6 ? 4 + 16 : 4 + 12) * nr;
     const int64_t group_bytes = (int64_t)(type == T_Q4_K ? GROUP / 2 : q6 ? GROUP * 3 / 4 : GROUP) * nr;
     uint8_t v[GROUP];
     if (q6) { /* ql [128], qh [64], int8 scales [16], d: group 4 n + t from ql's run n, qh's bits 2 t */
@@ -154,10 +156,8 @@ static void put_super(int type, const uint8_t *src, uint8_t *sb, int nr, int c) 
     }
     /* Q4_K: d, dmin, 12 bytes of scales, qs [128]; Q5_K: the same, then qh [32] before qs. Group 2 j + h: nibble h of
      * qs's run j (and bit 2 j + h of qh) */
-    put_float(sb, c, half_at(s)), put_float(sb + 4 * nr, c, half_at(s + 2));
-    for (int j = 0; j < 8; j++)
-        k4_scale_min(s + 4, j, &lanes[((int64_t)(j / 4) * nr + c) * 4 + j % 4],
-                     &lanes[((int64_t)(2 + j / 4) * nr + c) * 4 + j % 4]);
+    memcpy(sb + 2 * c, s, 2), memcpy(sb + 2 * (nr + c), s + 2, 2);
+    for (int i = 0; i < 12; i++) lanes[((int64_t)(i / 4) * nr + c) * 4 + i % 4] = s[4 + i];
     const uint8_t *qs = s + (type == T_Q5_K ? 48 : 16), *qh = s + 16;
     for (int g = 0; g < 8; g++) {
         if (type == T_Q4_K) {
@@ -190,8 +190,8 @@ static int64_t panel_block_bytes(int type, int nr) {
     case T_Q4_0: case T_Q4_1: return 2 * 4 * nr + GROUP / 2 * nr; /* Q4 */
     case T_Q5_0: case T_Q8_0: return 4 * nr + GROUP * nr;         /* Q8 */
     case T_Q5_1: return 2 * 4 * nr + GROUP * nr;                  /* Q5 */
-    case T_Q4_K: return (8 + 16) * nr + SUPER / 2 * nr;
-    case T_Q5_K: return (8 + 16) * nr + SUPER * nr;
+    case T_Q4_K: return (4 + 12) * nr + SUPER / 2 * nr;
+    case T_Q5_K: return (4 + 12) * nr + SUPER * nr;
     default: return (4 + 16) * nr + SUPER * 3 / 4 * nr; /* Q6_K */
     }
 }

@@ -224,18 +224,21 @@ static inline int block_bytes(int format) {
 }
 
 /* Q4K, Q5K and Q6K panels keep GGUF's K-quant scales as the file has them, per 256 k of a panel (a super-block):
- * Q4K and Q5K: d [NR] and dmin [NR] as floats (the file's fp16 values), then the 6-bit scales of the eight 32-k
- * groups as [2][NR] 32-bit lanes (lane c of word i: column c, byte j: group 4 i + j), the mins likewise, then the
- * weights of each 32 k as a Q4 block's nibbles (Q4K) or a Q8 block's bytes (Q5K). The kernel forms d sc and
- * -(dmin min) as gguf-py does (exact products), so the values are Q4's and Q5's: 0.59 and 1.09 bytes a weight instead
- * of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen 16-k halves as [4][NR] lanes, then per
- * 32 k the file's six bits as it has them: q + 32 (0..63) in a Q4 block's nibbles for its low four bits, then two
- * words a column for the high two (Q6_HIGH), 0.83 bytes a weight (1.08 as bytes). K % 256 == 0.
+ * Q4K and Q5K: d [NR] and dmin [NR] as the file's fp16, then its 12 bytes of 6-bit scales and mins of the eight
+ * 32-k groups as [3][NR] 32-bit lanes (lane c of word i: column c, byte j: byte 4 i + j; k4_scale_min unpacks
+ * them), then the weights of each 32 k as a Q4 block's nibbles (Q4K) or a Q8 block's bytes (Q5K). The kernel forms
+ * d sc and -(dmin min) as gguf-py does (exact products), so the values are Q4's and Q5's in the file's 0.5625 bytes
+ * a weight (Q4K; Q5K 1.06 as bytes) instead of 0.75 and 1.25. Q6K: d [NR] as floats, the int8 scales of the sixteen
+ * 16-k halves as [4][NR] lanes, then per 32 k the file's six bits as it has them: q + 32 (0..63) in a Q4 block's
+ * nibbles for its low four bits, then two words a column for the high two (Q6_HIGH), 0.83 bytes a weight (1.08 as
+ * bytes). K % 256 == 0.
  * NOTE: the sub-scales sit four to a 32-bit lane, as int8 panels' weights do, because GCC 12 widens an 8-byte
- * vector one element at a time (a 65% slower 1-row product when they were [8][NR] bytes). */
+ * vector one element at a time (a 65% slower 1-row product when they were [8][NR] bytes). Q4K's header held d and
+ * dmin as floats and the scales unpacked, 24 bytes a column against the file's 16: 5% more bytes for a one-row
+ * product, which reads every byte from memory, to read. */
 #define KSB 256
 static inline int kquant(int format) { return format == Q4K_PANELS || format == Q5K_PANELS || format == Q6K_PANELS; }
-static inline int ksb_header(int format) { return (format == Q6K_PANELS ? 4 + 16 : 8 + 16) * NR; }
+static inline int ksb_header(int format) { return (format == Q6K_PANELS ? 4 + 16 : 4 + 12) * NR; }
 static inline int ksb_bytes(int format) {
     return ksb_header(format) + (format == Q4K_PANELS ? KSB / 2 : format == Q6K_PANELS ? KSB * 3 / 4 : KSB) * NR;
 }
@@ -246,6 +249,25 @@ static inline int ksb_group_bytes(int format) {
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 
+/* Eight fp16 values at p as floats (exact). NOTE: GCC 12 converts a vector of _Float16 one element at a time (a
+ * 1-row Q4K product took 1.5x as long), so F16C's instruction is named where the CPU has it. */
+#if defined(__F16C__)
+static inline v8f half8(const void *p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline v8f half8(const void *p) {
+    v8f r;
+    for (int i = 0; i < 8; i++) r[i] = (float)((const _Float16 *)p)[i];
+    return r;
+}
+#endif
+
+/* Scale j (0..7) of the eight 6-bit ones in 12 packed bytes, as ggml's get_scale_min_k4 takes scale j (words a = 0,
+ * c = 2) or min j (a = 1, c = 2) from bytes 4 a .. 4 a + 3 and 8 .. 11 of each lane. */
+static inline v8i k4_six_bits(v8i a, v8i c, int j) {
+    if (j < 4) return (a >> (8 * j)) & 63;
+    return ((c >> (8 * (j - 4))) & 15) | (((a >> (8 * (j - 4) + 6)) & 3) << 4);
+}
+
 /* The 32-k block at k (a multiple of 32) of a panel slice in a block format: its scales for the eight columns of
  * vector v, d and m for its first 16 k (d0, m0) and its last 16 (d1, m1: the same where a format has one per 32;
  * m zero where it has none), and where its weights start. */
@@ -253,18 +275,19 @@ static inline __attribute__((always_inline)) const v8iu *block_at(const void *pa
                                                                   v8f *d0, v8f *d1, v8f *m0, v8f *m1) {
     if (kquant(format)) {
         const char *sb = (const char *)panel + (int64_t)(k / KSB) * ksb_bytes(format);
-        const float *d = (const float *)sb;
         const int g = k % KSB / Q8_GROUP;
-        const char *lanes = sb + (format == Q6K_PANELS ? 4 : 8) * NR + 32 * v; /* this vector's 8 columns */
+        const char *lanes = sb + 4 * NR + 32 * v; /* this vector's 8 columns */
         if (format == Q6K_PANELS) { /* halves 2 g and 2 g + 1: bytes 2 (g % 2) and 2 (g % 2) + 1 of word g / 2 */
+            const float *d = (const float *)sb;
             v8i w = *(const v8iu *)(lanes + g / 2 * NR * 4);
             *d0 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2));
             *d1 = load8(d + 8 * v) * int8_lane(w, 2 * (g % 2) + 1);
             *m0 = -32.0f * *d0, *m1 = -32.0f * *d1; /* the weights hold q + 32; d (q + 32) - 32 d is exact */
         } else {
-            v8i sc = *(const v8iu *)(lanes + g / 4 * NR * 4), mn = *(const v8iu *)(lanes + (2 + g / 4) * NR * 4);
-            *d0 = *d1 = load8(d + 8 * v) * __builtin_convertvector((sc >> (8 * (g % 4))) & 255, v8f);
-            *m0 = *m1 = -(load8(d + NR + 8 * v) * __builtin_convertvector((mn >> (8 * (g % 4))) & 255, v8f));
+            const char *d = sb + 16 * v, *dmin = sb + 2 * NR + 16 * v; /* fp16 */
+            v8i w0 = *(const v8iu *)lanes, w1 = *(const v8iu *)(lanes + NR * 4), w2 = *(const v8iu *)(lanes + 2 * NR * 4);
+            *d0 = *d1 = half8(d) * __builtin_convertvector(k4_six_bits(w0, w2, g), v8f);
+            *m0 = *m1 = -(half8(dmin) * __builtin_convertvector(k4_six_bits(w1, w2 >> 4, g), v8f));
         }
         return (const v8iu *)(sb + ksb_header(format) + (int64_t)g * ksb_group_bytes(format));
     }
@@ -935,7 +958,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
  *   Q5 and Q6M panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 and 1.5 bytes a weight;
- *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.59, 1.09 and 1.08;
+ *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.5625, 1.06 and 1.08;
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
