@@ -251,7 +251,7 @@ typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 
 /* Eight fp16 values at p as floats (exact). NOTE: GCC 12 converts a vector of _Float16 one element at a time (a
  * 1-row Q4K product took 1.5x as long), so F16C's instruction is named where the CPU has it. */
-#if defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__) /* immintrin.h is included with AVX2 */
 static inline v8f half8(const void *p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #else
 static inline v8f half8(const void *p) {
