@@ -239,13 +239,11 @@ static inline int block_bytes(int format) {
 #define KSB 256
 static inline int kquant(int format) { return format == Q4K_PANELS || format == Q5K_PANELS || format == Q6K_PANELS; }
 static inline int ksb_header(int format) { return (format == Q6K_PANELS ? 4 + 16 : 4 + 12) * NR; }
-static inline int ksb_bytes(int format) {
-    return ksb_header(format) + (format == Q4K_PANELS ? KSB / 2 : format == Q6K_PANELS ? KSB * 3 / 4 : KSB) * NR;
-}
-/* Bytes of one 32-k group's weights in a K-quant panel. */
+/* Bytes of one 32-k group's weights in a K-quant panel, and of its whole super-block. */
 static inline int ksb_group_bytes(int format) {
     return (format == Q4K_PANELS ? 16 : format == Q6K_PANELS ? 24 : 32) * NR;
 }
+static inline int ksb_bytes(int format) { return ksb_header(format) + KSB / Q8_GROUP * ksb_group_bytes(format); }
 
 typedef int v8iu __attribute__((vector_size(32), aligned(4)));
 
@@ -285,7 +283,8 @@ static inline __attribute__((always_inline)) const v8iu *block_at(const void *pa
             *m0 = -32.0f * *d0, *m1 = -32.0f * *d1; /* the weights hold q + 32; d (q + 32) - 32 d is exact */
         } else {
             const char *d = sb + 16 * v, *dmin = sb + 2 * NR + 16 * v; /* fp16 */
-            v8i w0 = *(const v8iu *)lanes, w1 = *(const v8iu *)(lanes + NR * 4), w2 = *(const v8iu *)(lanes + 2 * NR * 4);
+            const v8i w0 = *(const v8iu *)lanes, w1 = *(const v8iu *)(lanes + NR * 4);
+            const v8i w2 = *(const v8iu *)(lanes + 2 * NR * 4);
             *d0 = *d1 = half8(d) * __builtin_convertvector(k4_six_bits(w0, w2, g), v8f);
             *m0 = *m1 = -(half8(dmin) * __builtin_convertvector(k4_six_bits(w1, w2 >> 4, g), v8f));
         }
@@ -958,7 +957,7 @@ static void linear_bf16c(const float *x, int64_t ldx, const void *packed, const 
  *   Q4 panels (kernels/cpu/blocks.py; K % Q4_GROUP == 0): 0.75 bytes a weight instead of 4;
  *   Q8 panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.125 bytes a weight;
  *   Q5 and Q6M panels (kernels/cpu/blocks.py; K % Q8_GROUP == 0): 1.25 and 1.5 bytes a weight;
- *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.5625, 1.06 and 1.08;
+ *   Q4K, Q5K and Q6K panels (GGUF's K-quant scales as they are; K % 256 == 0): 0.5625, 1.06 and 0.83;
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
