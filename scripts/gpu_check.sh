@@ -39,6 +39,8 @@ if [[ " $STEPS " == *" serve "* ]]; then
     $PY -m loadtest.serve --base-url http://127.0.0.1:8000 --label "${LABEL:-harpoon-gpu}" --num-prompts 16 \
         --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --sweep-concurrency "${SWEEP:-1,16,64,256}" \
         --no-progress --save "$OUT/serve.json" 2>&1 | tee "$OUT/serve.md" || status=1
+    # the sweep's step-time histogram and the rest, to tell a long engine step from a stall outside the engine
+    curl -sf http://127.0.0.1:8000/metrics > "$OUT/metrics.txt" || status=1
     kill "$pid"; wait "$pid" 2>/dev/null
 fi
 if [[ " $STEPS " == *" offline "* ]]; then
