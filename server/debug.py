@@ -9,7 +9,7 @@ served without one. Every answer comes from the engine between two steps (``Asyn
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -23,7 +23,7 @@ from server.stats_history import StatsHistory
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 
 
-def add_debug_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable[[Request], None]) -> None:
+def add_debug_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable[[Request], Awaitable[None]]) -> None:
     engine.history = StatsHistory()
     page = DASHBOARD.read_text()
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,19 @@ def test_dockerfile_lints_clean_and_runs_the_cli():
     # Dependencies are installed before the sources are copied, so source edits keep the cached layers.
     assert text.index("requirements.lock") < text.index("COPY engine")
     assert "torch==2.13.0" in text and ".venv" in (ROOT / ".dockerignore").read_text()
+
+
+def test_the_lock_pins_every_runtime_dependency():
+    """The image installs docker/requirements.lock and then Harpoon without dependencies: a dependency added to
+    pyproject.toml but not to the lock is missing there (as xgrammar, aiohttp and httptools once were)."""
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    wanted = {name(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    lines = (ROOT / "docker" / "requirements.lock").read_text().splitlines()
+    pinned = {line.split("==")[0] for line in lines if line and not line.startswith("#")}
+    assert all("==" in line for line in lines if line and not line.startswith("#"))
+    assert wanted - {"torch", "triton"} <= pinned, sorted(wanted - {"torch", "triton"} - pinned)
 
 
 @pytest.fixture(scope="module")
