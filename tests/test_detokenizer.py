@@ -1,9 +1,13 @@
 """Incremental detokenization: what streaming emits, token by token."""
 
+import json
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+from transformers import PreTrainedTokenizerFast
 
+from engine import detokenizer
 from engine.detokenizer import IncrementalDetokenizer
 
 
@@ -75,3 +79,50 @@ def test_random_texts_stream_a_whole_decode_cut_at_the_first_stop_to_complete(sm
                 expected = text[: min(hits)]
                 break
         assert streamed == detok.text == expected, (stop, whole)
+
+
+def sentencepiece_like_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama 2's layout, trained here on a few lines: ``▁`` for spaces, bytes for what the vocabulary lacks (so one
+    character can span tokens), and the decoder's stripped leading space."""
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    trained.train_from_iterator(["the quick brown fox jumps over the lazy dog", "naïve café, don't stop"] * 5,
+                                trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    vocab = trained.get_vocab()
+    for b in range(256):  # the byte pieces, as Llama 2's vocabulary has them
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    model = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+    model.normalizer = normalizer
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "sentencepiece-like"])
+def test_the_rust_stream_emits_what_the_python_window_does(smollm2_tokenizer, kind, monkeypatch):
+    """Where decoding is the Rust backend's alone, its DecodeStream detokenizes; it must emit the Python window's
+    text exactly: random ids (special tokens, characters cut across tokens, prompts that end inside one), both
+    ways of treating special tokens, with and without stop strings."""
+    tok = smollm2_tokenizer if kind == "byte-level BPE" else sentencepiece_like_tokenizer()
+    assert detokenizer.plain_backend(tok) is not None
+    rng, vocab = random.Random(1), len(tok)
+
+    def run(prompt: list[int], ids: list[int], skip: bool, stop: tuple[str, ...]) -> tuple[list[str], str | None]:
+        detok = IncrementalDetokenizer(tok, prompt, stop=stop, skip_special_tokens=skip)
+        return stream(detok, ids), detok.stop_reason
+
+    cut_prompts = 0
+    for _ in range(200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        cut_prompts += tok.decode(prompt[-5:]).endswith("\ufffd")
+        skip = rng.random() < 0.5
+        stop = (tok.decode(ids[len(ids) // 2 :])[:3],) if rng.random() < 0.3 else ()
+        fast = run(prompt, ids, skip, stop)
+        with monkeypatch.context() as m:
+            m.setattr(detokenizer, "plain_backend", lambda _: None)
+            assert run(prompt, ids, skip, stop) == fast, (prompt, ids, skip, stop)
+    assert cut_prompts > 0  # the case the stream must not take
