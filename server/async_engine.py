@@ -291,7 +291,7 @@ class AsyncEngine:
         self.metrics.update_engine(message.stats)
         if self.history is not None:
             self.history.observe(now, message.stats, self.num_generated_tokens)
-        stopped = []
+        stopped, generated = [], 0
         for output in message.outputs:
             queue = self._queues.get(output.request_id)
             if queue is None:
@@ -304,16 +304,18 @@ class AsyncEngine:
             state, stopped_by_string = self.processor.process(output)
             if stopped_by_string:
                 stopped.append(output.request_id)
-            self._observe(output.request_id, len(output.new_token_ids), output.queue_time, state.finished, now)
+            generated += len(output.new_token_ids)
+            self._observe(output.request_id, output.queue_time, state.finished, now)
             queue.put_nowait(Update(state, len(state.token_ids), state.detokenizer.stable_text_end(state.finished),
                                     state.finished))
+        if generated:  # one counter update a step, not one a request (each takes a lock)
+            self.metrics.generation_tokens.inc(generated)
+            self.num_generated_tokens += generated
         if stopped:
             self.client.send(AbortRequests(stopped))
 
-    def _observe(self, request_id: str, num_new: int, queue_time: float | None, finished: bool, now: float) -> None:
+    def _observe(self, request_id: str, queue_time: float | None, finished: bool, now: float) -> None:
         timing = self._timings[request_id]
-        self.metrics.generation_tokens.inc(num_new)
-        self.num_generated_tokens += num_new
         if queue_time is not None:
             self.metrics.queue_time.observe(queue_time)
         if timing.last_token is None:

@@ -211,6 +211,14 @@ class OpenAIServing:
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+        # A token's chunk is the same JSON as event({**chunk_header, "choices": [choice], **extra}), its constant
+        # parts serialized once: json.dumps was a tenth of the API process's time at 256 streams.
+        chunk_head = json.dumps(chunk_header, ensure_ascii=False)[:-1] + ', "choices": ['
+        chunk_tail = "], " + json.dumps(extra, ensure_ascii=False)[1:] if extra else "]}"
+
+        def token_chunk(choice: dict) -> str:
+            return f"data: {chunk_head}{json.dumps(choice, ensure_ascii=False)}{chunk_tail}\n\n"
+
         try:
             # NOTE: a chat choice's first chunk (with the role) goes out with its first token, not before, so a
             # client's time to first chunk is a true time to first token.
@@ -254,7 +262,7 @@ class OpenAIServing:
                         chat_only["tool_calls"] = calls
                     first_chunk.discard(i)
                     choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason, **chat_only)
-                    yield event({**chunk_header, "choices": [choice], **extra})
+                    yield token_chunk(choice)
             if include_usage:
                 total = usage(num_prompt_tokens, list(states.values()), n)
                 yield event({**chunk_header, "choices": [], "usage": total})
