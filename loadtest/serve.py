@@ -101,7 +101,7 @@ async def run(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = T
             warm = replace(requests[i % len(requests)], output_len=min(16, requests[0].output_len))
             body = request_body(cfg.endpoint, model, warm, cfg.ignore_eos, cfg.temperature)
             await send(http, url, body, 0.0, cfg.request_timeout)
-        before = await engine_metrics(http, base_url)
+        before = await idle_engine_metrics(http, base_url)
         semaphore = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         bar = tqdm(total=len(requests), desc=f"{cfg.base_url} c={cfg.max_concurrency or 'inf'}", disable=not progress,
                    file=sys.stderr, leave=False)
@@ -147,6 +147,18 @@ async def engine_metrics(http: aiohttp.ClientSession, base_url: str) -> dict | N
             key += "{" + name.split('phase="', 1)[1].split('"', 1)[0] + "}"
         values[key] = float(value)
     return values or None
+
+
+async def idle_engine_metrics(http: aiohttp.ClientSession, base_url: str, timeout: float = 30.0) -> dict | None:
+    """``engine_metrics`` once the engine has no request (or after ``timeout``): a step still running for an earlier
+    request (one a client gave up on, a warm-up) would count in full in a window it began before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = await engine_metrics(http, base_url)
+        if values is None or time.monotonic() > deadline or (
+                values.get("num_requests_running", 0) == 0 and values.get("num_requests_waiting", 0) == 0):
+            return values
+        await asyncio.sleep(0.05)
 
 
 def step_profile(before: dict[str, float], after: dict[str, float], duration: float) -> dict | None:

@@ -10,6 +10,7 @@ import pytest
 import kernels.cpu as cpu_kernels
 from loadtest.client import send, session
 from loadtest.metrics import RequestRecord, parse_goodput, record_from_timeline, summarize
+from loadtest.serve import engine_metrics, idle_engine_metrics
 from loadtest.serve import main as bench_main
 from tests.server_process import free_port
 
@@ -113,6 +114,25 @@ async def test_client_times_streams_and_turns_every_failure_into_a_record():
     assert records["/slow"].error.startswith("TimeoutError")
     assert records["refused"].error.startswith("ClientConnectorError")
     assert not any(r.success for r in records.values())
+
+
+def test_a_point_starts_from_an_idle_engine(shared_server):
+    """The first /metrics reading of a point waits for the requests before it: a step of theirs that straddled the
+    reading would count in full in the point's busy time (a busy share over 1 failed a run)."""
+    async def go() -> tuple[bool, dict]:
+        async with session() as http:
+            url = shared_server.base_url + "/v1/completions"
+            earlier = asyncio.create_task(send(http, url, {"prompt": "x", "max_tokens": 48, "ignore_eos": True},
+                                               bench_start=0.0, timeout=120.0))
+            while not (await engine_metrics(http, shared_server.base_url)).get("num_requests_running"):
+                await asyncio.sleep(0.01)
+            values = await idle_engine_metrics(http, shared_server.base_url)
+            done = earlier.done()
+            await earlier
+            return done, values
+
+    done, values = asyncio.run(go())
+    assert done and values["num_requests_running"] == 0 and values["engine_steps_total"] > 0
 
 
 def test_short_real_sweep_writes_results_and_plots(tmp_path, shared_server):
