@@ -133,6 +133,8 @@ class BlockManager:
         changing nothing, when the pool cannot supply them: the scheduler must then preempt or wait."""
         computed = computed_block_ids or []
         num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens, len(computed))
+        if num_new_blocks == 0 and computed_block_ids is None:
+            return []  # a running request whose last block has room: most decodes, every step
         num_revived = sum(1 for b in computed if self.blocks[b].ref_cnt == 0)  # cached, sitting in the free queue
         if num_new_blocks + num_revived > self.num_free_blocks:
             return None
@@ -164,8 +166,10 @@ class BlockManager:
         """Register the blocks of ``request`` that became full and computed, so later requests can reuse them."""
         if not self.enable_caching:
             return
-        table = self.get_block_ids(request.request_id)
         done = self._num_registered.get(request.request_id, 0)
+        if request.num_computed_tokens // self.block_size <= done:
+            return  # no block filled since the last call: most steps
+        table = self.get_block_ids(request.request_id)
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         if num_full <= done:
             return
