@@ -158,7 +158,7 @@ async def idle_engine_metrics(http: aiohttp.ClientSession, base_url: str, timeou
         if values is None or time.monotonic() > deadline or (
                 values.get("num_requests_running", 0) == 0 and values.get("num_requests_waiting", 0) == 0):
             return values
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.25)  # a reading costs the server ~2.5 ms (its histograms rendered): not too often
 
 
 def step_profile(before: dict[str, float], after: dict[str, float], duration: float) -> dict | None:
