@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 
 import pytest
 
@@ -219,3 +220,16 @@ def test_an_engine_that_stalls_with_work_in_flight_is_killed_and_replaced(smollm
 
     asyncio.run(scenario())
     assert client.killed == 1 and client.starts == 1
+
+
+@pytest.mark.parametrize("output", [
+    EngineCoreOutput("r", [7]),
+    EngineCoreOutput("r", [1, 2], new_logprobs=[{1: Logprob(-0.5, 1)}, {2: Logprob(-1.0, 2)}], prompt_logprobs=[None],
+                     finish_reason="stop", stop_reason="x", num_prompt_tokens=3, queue_time=0.25,
+                     num_cached_tokens=16),
+    EngineCoreOutput("r", [], finish_reason="abort", error="the prompt is too long"),
+])
+def test_a_core_output_crosses_the_pipe_whole(output):
+    """Outputs reach the API process pickled as their fields in order (EngineCoreOutput.__reduce__): every field
+    arrives, whichever are set."""
+    assert pickle.loads(pickle.dumps(StepOutputs([output], STATS))).outputs == [output]
