@@ -189,6 +189,34 @@ def test_the_gemm_plan_is_one_family_and_reports_its_rates(tiny_model):
         EngineConfig(gemm_kernels="mkl")
 
 
+@pytest.mark.parametrize("kind", ["int8 dot products", "fp32 bodies"])
+def test_a_body_is_timed_again_once_started(kind, monkeypatch, tiny_model, small_q4_k_m):
+    """The int8 dot product or fp32 body timed while the API process loads (sharing the cores) is timed again once
+    started, and the second timing decides: the products and the engine's description follow it."""
+    from engine.backends import cpu as cpu_backend
+
+    int8 = kind == "int8 dot products"
+    bodies, body_of = (cpu.q8x_dots(), "int8_dot") if int8 else (cpu.f32_bodies(), "f32_body")
+    if len(bodies) < 2:
+        pytest.skip(f"this CPU has one of the {kind}")
+    picks = []
+
+    def timing(dots: list[str], use, *_) -> str:  # at load the last body, then the first
+        picks.append(dots[0] if picks else dots[-1])
+        use(picks[-1])
+        return picks[-1]
+
+    monkeypatch.setattr(cpu_backend, "_fastest_dot", timing)
+    model = str(small_q4_k_m) if int8 else str(tiny_model("qwen2-bias"))
+    engine = EngineCore(EngineConfig(model=model, kv_cache_memory=4 << 20, gemm_kernels="c",
+                                     quantized_matmul="int8" if int8 else "exact"))
+    backend = engine.backend
+    assert getattr(backend, body_of) == bodies[-1]
+    backend.after_start_up()
+    assert picks == [bodies[-1], bodies[0]] and getattr(backend, body_of) == bodies[0]
+    assert f"{bodies[0]} " in backend.describe()
+
+
 def test_the_matmul_peak_takes_fewer_rows_where_a_dtypes_products_are_slow(monkeypatch):
     # bfloat16 on an AVX2-only CPU: ~30 ms a row, so five calls of 1024 rows held a server's start for 150 s
     from engine.backends import gemm_plan

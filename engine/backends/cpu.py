@@ -146,6 +146,8 @@ class CpuBackend(TorchBackend):
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
         self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
         self.f32_body: str | None = None  # the body of the fp32 products from 5 rows on where there is a choice (timed)
+        # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
+        self._body_timing: tuple[str, Callable[[], str]] | None = None
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
 
     @classmethod
@@ -209,13 +211,15 @@ class CpuBackend(TorchBackend):
                                                                                        module.out_features)
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
+        gate_up = first.mlp.gate_up_proj
         if self.int8_activations:
-            self.int8_dot = _fastest_dot(cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot,
-                                         first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features)
+            self._body_timing = "int8_dot", partial(_fastest_dot, cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot,
+                                                    gate_up.kernel, gate_up.in_features)
         elif not bf16 and not library and len(cpu_kernels.f32_bodies()) > 1:
-            self.f32_body = _fastest_dot(cpu_kernels.f32_bodies(), cpu_kernels.set_f32_body,
-                                         first.mlp.gate_up_proj.kernel, first.mlp.gate_up_proj.in_features,
-                                         F32_BODY_ROWS, "fp32 bodies")
+            self._body_timing = "f32_body", partial(_fastest_dot, cpu_kernels.f32_bodies(), cpu_kernels.set_f32_body,
+                                                    gate_up.kernel, gate_up.in_features, F32_BODY_ROWS, "fp32 bodies")
+        if self._body_timing is not None:
+            setattr(self, self._body_timing[0], self._body_timing[1]())
         if bf16:  # the C kernels read these in fp32
             for name, param in model.named_parameters():
                 if name.endswith("bias") or "norm" in name:
@@ -310,6 +314,12 @@ class CpuBackend(TorchBackend):
         return tokens
 
     def after_start_up(self) -> None:
+        # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the
+        # same bits, so the choice can change here. Timed while it loaded (2 cores), one server read "vnni 0.56,
+        # maddubs 0.44" ms (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16
+        # and 64 clients than the next start, which kept VNNI (docs/benchmarks.md).
+        if self._body_timing is not None:
+            setattr(self, self._body_timing[0], self._body_timing[1]())
         if self.plan is not None:  # see gemm_plan.PEAK_BUDGET_S
             self.plan = replace(self.plan, peak_gflops=matmul_peak_gflops(self.dtype))
             logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
