@@ -218,8 +218,7 @@ class CpuBackend(TorchBackend):
         elif not bf16 and not library and len(cpu_kernels.f32_bodies()) > 1:
             self._body_timing = "f32_body", partial(_fastest_dot, cpu_kernels.f32_bodies(), cpu_kernels.set_f32_body,
                                                     gate_up.kernel, gate_up.in_features, F32_BODY_ROWS, "fp32 bodies")
-        if self._body_timing is not None:
-            setattr(self, self._body_timing[0], self._body_timing[1]())
+        self._time_body()
         if bf16:  # the C kernels read these in fp32
             for name, param in model.named_parameters():
                 if name.endswith("bias") or "norm" in name:
@@ -313,13 +312,18 @@ class CpuBackend(TorchBackend):
             tokens = cpu_kernels.argmax_linear(hidden, self.argmax_head.packed, self.argmax_head.out_features)
         return tokens
 
+    def _time_body(self) -> None:
+        """Time the int8 dot products or fp32 bodies, where there is a choice, and keep the fastest."""
+        if self._body_timing is not None:
+            name, timing = self._body_timing
+            setattr(self, name, timing())
+
     def after_start_up(self) -> None:
         # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the
         # same bits, so the choice can change here. Timed while it loaded (2 cores), one server read "vnni 0.56,
         # maddubs 0.44" ms (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16
         # and 64 clients than the next start, which kept VNNI (docs/benchmarks.md).
-        if self._body_timing is not None:
-            setattr(self, self._body_timing[0], self._body_timing[1]())
+        self._time_body()
         if self.plan is not None:  # see gemm_plan.PEAK_BUDGET_S
             self.plan = replace(self.plan, peak_gflops=matmul_peak_gflops(self.dtype))
             logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
