@@ -35,6 +35,14 @@ class StepCounters:
     update_s: float = 0.0  # the scheduler's update and the step's outputs
     loop_s: float = 0.0  # the engine loop's busy time: the steps, and taking commands and sending outputs
 
+    @property
+    def step_s(self) -> float:
+        """The steps' time: their phases summed (``loop_s`` adds the loop's own work beside them)."""
+        return sum(getattr(self, f"{phase}_s") for phase in STEP_PHASES)
+
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update")  # a step's parts, each a StepCounters <phase>_s
+
 
 @dataclass(frozen=True)
 class EngineStats:

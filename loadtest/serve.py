@@ -26,6 +26,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from engine.outputs import STEP_PHASES
 from loadtest.client import request_body, send, session
 from loadtest.datasets import BenchRequest, build_requests
 from loadtest.metrics import parse_goodput, records_as_dicts, summarize
@@ -171,8 +172,7 @@ def step_profile(before: dict[str, float], after: dict[str, float], duration: fl
     steps = delta("engine_steps_total")
     if steps <= 0:
         return None
-    phases = {p: delta(f"engine_busy_seconds_total{{{p}}}") for p in
-              ("schedule", "prepare", "forward", "sample", "update", "send")}
+    phases = {p: delta(f"engine_busy_seconds_total{{{p}}}") for p in (*STEP_PHASES, "send")}
     busy = sum(phases.values())
     step_s = busy - phases["send"]
     profile = {"steps": int(steps), "tokens_per_step": delta("engine_step_tokens_total") / steps,

@@ -13,11 +13,10 @@ from prometheus_client import (
 )
 
 from engine.messages import EngineInfo
-from engine.outputs import EngineStats, StepCounters
+from engine.outputs import STEP_PHASES, EngineStats
 
 disable_created_metrics()  # the *_created series only add noise to dashboards
 
-_PHASES = ("schedule", "prepare", "forward", "sample", "update")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -90,7 +89,7 @@ class Metrics:
         server's CPU per streamed token."""
         previous, self._stats = self._stats, stats
         if previous is not None and stats.steps.num_steps == previous.steps.num_steps + 1:
-            self.step_seconds.observe(_step_seconds(stats.steps) - _step_seconds(previous.steps))
+            self.step_seconds.observe(stats.steps.step_s - previous.steps.step_s)
             self.step_tokens.observe(stats.steps.num_tokens - previous.steps.num_tokens)
             self.step_batch_size.observe(stats.steps.num_scheduled_requests - previous.steps.num_scheduled_requests)
 
@@ -128,8 +127,8 @@ class Metrics:
         self.kv_cache_cached_blocks.set(stats.num_cached_blocks)
         # The engine reports cumulative counts; Prometheus counters take increments.
         steps = stats.steps
-        phases = {phase: getattr(steps, f"{phase}_s") for phase in _PHASES}
-        phases["send"] = max(0.0, steps.loop_s - _step_seconds(steps))
+        phases = {phase: getattr(steps, f"{phase}_s") for phase in STEP_PHASES}
+        phases["send"] = max(0.0, steps.loop_s - steps.step_s)
         totals = [("preemptions", self.num_preemptions, stats.num_preemptions),
                   ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
                   ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
@@ -148,7 +147,3 @@ class Metrics:
     def render(self) -> bytes:
         self._apply_engine_stats()
         return generate_latest(self.registry)
-
-
-def _step_seconds(steps: StepCounters) -> float:
-    return sum(getattr(steps, f"{phase}_s") for phase in _PHASES)

@@ -68,5 +68,4 @@ def test_the_stats_a_step_sends_hold_that_steps_time(tiny_model):
     steps = [m.stats.steps for m in sent[1:] if isinstance(m, StepOutputs)]
     assert len(steps) >= 6 and steps[-1].num_steps == len(steps)
     for counters in steps:  # this step's phases and the sends before it: the lag is one send
-        phases = sum(getattr(counters, f"{p}_s") for p in ("schedule", "prepare", "forward", "sample", "update"))
-        assert counters.loop_s - phases >= 0.002 * (counters.num_steps - 1) - 1e-9
+        assert counters.loop_s - counters.step_s >= 0.002 * (counters.num_steps - 1) - 1e-9

@@ -16,6 +16,7 @@ The options after ``--step-ms`` are ``harpoon serve``'s.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -98,8 +99,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--step-ms", type=float, default=5.0, help="the fake engine's step time")
     args, serve_argv = parser.parse_known_args(argv)
-    import functools
-
     import server.engine_client
     from server.cli import main as serve
 

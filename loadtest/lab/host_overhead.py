@@ -4,7 +4,7 @@ On the H200 the default model's step at 256 clients was 52-61% "python + schedul
 scheduler, the runner's inputs, the sampling settings and the update, per request per step. Here the same engine
 runs a 2-layer, 64-wide random Llama on the CPU, so that those phases, not the matmuls, fill the step, and a change
 to them can be timed on any machine. Each round admits ``--requests`` prompts of ``--prompt-len`` random ids and
-runs them greedily to ``--max-tokens`` tokens; it prints ms a step and each phase's share.
+runs them greedily to ``--max-tokens`` tokens; it prints ms a step and each phase's ms a step.
 
     python -m loadtest.lab.host_overhead --requests 256 --rounds 5
 """
@@ -22,9 +22,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.outputs import STEP_PHASES
 from engine.sampling_params import SamplingParams
 
-PHASES = ("schedule", "prepare", "forward", "sample", "update")
 VOCAB = 512
 
 
@@ -49,13 +49,13 @@ def one_round(engine: EngineCore, args: argparse.Namespace, rng: random.Random) 
     for i in range(args.requests):
         engine.add_request(f"{time.monotonic_ns()}-{i}", [rng.randrange(3, VOCAB) for _ in range(args.prompt_len)],
                            params)
-    before = {p: getattr(engine.counters, f"{p}_s") for p in PHASES}
+    before = {p: getattr(engine.counters, f"{p}_s") for p in STEP_PHASES}
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     ms = 1000 * (time.perf_counter() - start) / steps
-    return ms, {p: 1000 * (getattr(engine.counters, f"{p}_s") - before[p]) / steps for p in PHASES}
+    return ms, {p: 1000 * (getattr(engine.counters, f"{p}_s") - before[p]) / steps for p in STEP_PHASES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         one_round(engine, args, rng)  # warm-up
         rounds = [one_round(engine, args, rng) for _ in range(args.rounds)]
     print(f"{args.requests} requests, {args.prompt_len} in / {args.max_tokens} out, {args.rounds} rounds (median)")
-    print("| ms a step | " + " | ".join(PHASES) + " |")
-    print("|---" * (len(PHASES) + 1) + "|")
+    print("| ms a step | " + " | ".join(STEP_PHASES) + " |")
+    print("|---" * (len(STEP_PHASES) + 1) + "|")
     print(f"| {statistics.median(ms for ms, _ in rounds):.2f} | "
-          + " | ".join(f"{statistics.median(p[phase] for _, p in rounds):.3f}" for phase in PHASES) + " |")
+          + " | ".join(f"{statistics.median(p[phase] for _, p in rounds):.3f}" for phase in STEP_PHASES) + " |")
 
 
 if __name__ == "__main__":
