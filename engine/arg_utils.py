@@ -80,7 +80,7 @@ _HELP = {
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for field in dataclasses.fields(EngineConfig):
-        if field.name in ("model", "enable_prefix_caching", "enforce_eager"):
+        if field.name in ("model", "enable_prefix_caching", "enforce_eager", "panel_cache"):
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = parse_memory if field.name == "kv_cache_memory" else (
@@ -100,6 +100,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="on CUDA, run every step eagerly instead of replaying CUDA graphs (no capture at start-up)",
+    )
+    group.add_argument(
+        "--no-panel-cache",
+        dest="panel_cache",
+        action="store_false",
+        default=None,
+        help="on a CPU, pack a GGUF file's weights at every start instead of mapping the panels an earlier start "
+        "kept in $HARPOON_CACHE/panels (as large as the file)",
     )
 
 

@@ -106,6 +106,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Keep the timelines of the last N requests (engine/timeline.py; the server's /debug/requests); 0: off.
     request_timelines: int = 0
+    # On a CPU, a GGUF file's packed panels are kept in a cache file ($HARPOON_CACHE/panels) and mapped at the next
+    # start instead of packed again (engine/backends/panel_cache.py).
+    panel_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

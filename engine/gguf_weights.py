@@ -185,7 +185,7 @@ def read(entry: TensorEntry, data: np.ndarray, mapped: bool = False) -> FileBloc
     rows, cols = entry.shape
     raw = _u8(data).reshape(rows, -1)
     return FileBlocks(kind.name, int(kind), cols, (raw,), torch.zeros(rows, dtype=torch.int64), torch.arange(rows),
-                      partial(decode_rows, kind, cols), mapped)
+                      partial(decode_rows, kind, cols), mapped, (entry.offset,))
 
 
 def decode_rows(kind: GGMLQuantizationType, cols: int, raw: torch.Tensor) -> QuantizedWeight:

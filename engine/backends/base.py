@@ -25,6 +25,8 @@ from engine.kv_cache import available_memory
 from engine.models.linear import dequantize_weights
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from engine.engine_core import EngineCore
     from engine.models.llama import LlamaForCausalLM
 
@@ -78,10 +80,18 @@ class TorchBackend:
         if memory is None:
             if self.device.type == "cuda":
                 return int(available_memory(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
-            return min(DEFAULT_CPU_KV_CACHE_BYTES, available_memory(self.device) // 2)
+            return min(DEFAULT_CPU_KV_CACHE_BYTES, self._free_memory() // 2)
         if isinstance(memory, float):
-            return int(available_memory(self.device) * memory)
+            return int(self._free_memory() * memory)
         return int(memory)
+
+    def _free_memory(self) -> int:
+        """What the device has free, less the weights held as a file's pages, which the host counts as free."""
+        return available_memory(self.device) - self.mapped_weight_bytes()
+
+    def mapped_weight_bytes(self) -> int:
+        """Bytes of weights held as pages of a file mapping rather than memory of their own."""
+        return 0
 
     # ---- the model ----------------------------------------------------------------------------------------------
     def check_shapes(self, block_size: int, head_dim: int) -> None:
@@ -90,9 +100,10 @@ class TorchBackend:
     def make_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
 
-    def prepare(self, model: LlamaForCausalLM) -> None:
+    def prepare(self, model: LlamaForCausalLM, weights_file: Path | None = None) -> None:
         """Once the weights are loaded (in the engine's dtype): pack them for this backend's kernels. Plain torch
-        takes quantized weights (a GGUF file's) dense."""
+        takes quantized weights (a GGUF file's) dense. ``weights_file``: the GGUF file the model's blocks were read
+        from, whole (not a tensor-parallel rank's part), where a backend may keep what it makes of them."""
         dequantize_weights(model, self.dtype, self.device)
 
     def bind(self, engine: EngineCore) -> None:

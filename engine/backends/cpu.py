@@ -9,6 +9,8 @@ What it does with a model (``prepare``):
   where the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
 - the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
   is kept beside them;
+- a GGUF file's blocks are packed as they are, or mapped from a cache file of the panels an earlier start packed
+  (``panel_cache.py``);
 - norms, rotary and SiLU-mul run as fused C kernels;
 - steps of short queries, or of prompt chunks within ``DECODER_MAX_PREFILL_CONTEXT`` positions, run every layer
   in one C call (``kernels/cpu/decoder.py``); other steps go through the model's modules and torch's flash SDPA;
@@ -41,6 +43,8 @@ from engine.backends.gemm_plan import (
     seconds_per_call,
 )
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_rows
+from engine.backends.panel_cache import PanelCache
+from engine.model_loader import cache_root
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
 from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
@@ -52,6 +56,8 @@ from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from engine.models.llama import LlamaForCausalLM
     from engine.models.quantized import Blocks
 
@@ -149,6 +155,7 @@ class CpuBackend(TorchBackend):
         # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
         self._body_timing: tuple[str, Callable[[], str]] | None = None
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
+        self.panel_cache: PanelCache | None = None  # mapped from, or kept for the next start
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -161,7 +168,7 @@ class CpuBackend(TorchBackend):
     def make_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
         return CpuAttention(num_heads, num_kv_heads, head_dim, scale)
 
-    def prepare(self, model: LlamaForCausalLM) -> None:
+    def prepare(self, model: LlamaForCausalLM, weights_file: Path | None = None) -> None:
         """fp32: every weight in the fewest bytes that hold it exactly. bfloat16: every weight as BF16C panels, computed
         in bfloat16, and the rest (norm weights, biases, rotary tables, activations between the products) in fp32.
         Where oneDNN measured faster (``gemm_plan.py``), every product runs there instead, its weights prepacked."""
@@ -188,10 +195,13 @@ class CpuBackend(TorchBackend):
                 pack = _amx_panels
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
+            if weights_file is not None and self.config.panel_cache:
+                self.panel_cache = PanelCache(weights_file, cache_root(), cpu_kernels.panel_layout())
         else:
             self.plan = measure_plan([dense[m] for m in projections],
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
                                      self.config.gemm_kernels)
+        pack_blocks = partial(_pack_quantized, cache=self.panel_cache)
         del dense
         library = self.plan.uses_library
         kernels = self._widened_kernels(model, blocks) if not library and self.bf16_dot == "amx" else {}
@@ -204,7 +214,7 @@ class CpuBackend(TorchBackend):
             if isinstance(module, Linear) and module in kernels:
                 module.kernel = kernels[module]
             elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
-                module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations)
+                module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations, pack_blocks)
             elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
                 module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
@@ -230,7 +240,7 @@ class CpuBackend(TorchBackend):
             return
         head = None  # an LM head of its own widened from its GGUF blocks keeps that kernel
         if model.lm_head.quantized is not None:
-            head = _pack_quantized(model.lm_head.take_quantized())
+            head = pack_blocks(model.lm_head.take_quantized())
         elif model.lm_head not in kernels:
             head = (pack if bf16 else pack_head)(model.lm_head.release_weight())
         if head is not None:
@@ -241,7 +251,7 @@ class CpuBackend(TorchBackend):
         if model.tie_word_embeddings:
             lookup = head
         elif embed.quantized is not None:  # a GGUF file's blocks, whose values a bfloat16 table would round
-            lookup, rounded_to = _pack_quantized(embed.quantized), self.dtype if bf16 else None
+            lookup, rounded_to = pack_blocks(embed.quantized), self.dtype if bf16 else None
         else:
             table = embed.weight.detach()
             lookup = cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table)
@@ -249,6 +259,8 @@ class CpuBackend(TorchBackend):
             embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab, rounded_to), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
+        if self.panel_cache is not None:
+            self.panel_cache.finish()
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         elif (head is not None and head.dtype == torch.int8 and model.lm_head.bias is None
@@ -329,6 +341,9 @@ class CpuBackend(TorchBackend):
             logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
                         self.plan.peak_gflops)
 
+    def mapped_weight_bytes(self) -> int:
+        return self.panel_cache.mapped_bytes if self.panel_cache is not None else 0
+
     def weight_holders(self) -> list[object]:
         return [self.decoder, self.greedy_head]
 
@@ -391,20 +406,27 @@ def _amx_panels(weight: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.pack_weight_bf16c(weight)
 
 
-def _quantized_kernel(weight: Blocks, int8_activations: bool) -> PackedLinear | SplitLinear:
+def _quantized_kernel(weight: Blocks, int8_activations: bool,
+                      pack: Callable[[FileBlocks | QuantizedWeight], torch.Tensor] | None = None
+                      ) -> PackedLinear | SplitLinear:
+    """``weight``'s product, its panels made by ``pack`` (default ``_pack_quantized``)."""
     if isinstance(weight, SplitBlocks):
-        return SplitLinear(_quantized_kernel(weight.head, int8_activations),
-                           _quantized_kernel(weight.tail, int8_activations))
-    return PackedLinear(_pack_quantized(weight), weight.shape[0], int8_activations)
+        return SplitLinear(_quantized_kernel(weight.head, int8_activations, pack),
+                           _quantized_kernel(weight.tail, int8_activations, pack))
+    return PackedLinear((pack or _pack_quantized)(weight), weight.shape[0], int8_activations)
 
 
-def _pack_quantized(weight: FileBlocks | QuantizedWeight) -> torch.Tensor:
+def _pack_quantized(weight: FileBlocks | QuantizedWeight, cache: PanelCache | None = None) -> torch.Tensor:
     """A GGUF file's blocks as the panels of their kind (``kernels/cpu/blocks.py``), with the same products as
     the fp32 panels of their dequantized values: straight from the file's bytes where they still are (its pages
-    handed back after), else from the decoded blocks, PACK_CHUNK_PANELS panels at a time into the result (the
-    copies packing makes stay ~100 MB even for an 8B model's LM head)."""
+    handed back after; or ``cache``'s, where an earlier start packed them), else from the decoded blocks,
+    PACK_CHUNK_PANELS panels at a time into the result (the copies packing makes stay ~100 MB even for an 8B
+    model's LM head)."""
     if isinstance(weight, FileBlocks):
-        packed = cpu_kernels.pack_gguf_rows(weight.type_id, weight.addresses(), weight.in_features)
+        def pack() -> torch.Tensor:
+            return cpu_kernels.pack_gguf_rows(weight.type_id, weight.addresses(), weight.in_features)
+
+        packed = cache.pack(weight, pack) if cache is not None else pack()
         weight.release()
         return packed
     width, rows = cpu_kernels.panel_width(), weight.shape[0]

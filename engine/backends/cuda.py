@@ -23,6 +23,8 @@ from engine.models.llama import MLP, RMSNorm
 from engine.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from engine.engine_core import EngineCore
     from engine.models.llama import LlamaForCausalLM
 
@@ -86,7 +88,7 @@ class TritonBackend(TorchBackend):
     def make_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> TorchAttention:
         return TritonAttention(num_heads, num_kv_heads, head_dim, scale)
 
-    def prepare(self, model: LlamaForCausalLM) -> None:
+    def prepare(self, model: LlamaForCausalLM, weights_file: Path | None = None) -> None:
         from kernels import fused_ops  # defines kernels: after TRITON_INTERPRET is set
 
         super().prepare(model)  # quantized weights made dense in the model's dtype

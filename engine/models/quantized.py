@@ -177,6 +177,7 @@ class FileBlocks:
     row: torch.Tensor  # int64 [N]: its row there
     decoder: Callable[[torch.Tensor], QuantizedWeight]  # rows' bytes [n, bytes a row] -> their QuantizedWeight
     mapped: bool = False  # the views are of a file's read-only mapping, whose pages ``release`` may drop
+    offsets: tuple[int, ...] = ()  # where each view begins in its file, where known (``file_positions``)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -188,9 +189,18 @@ class FileBlocks:
         strides = torch.tensor([t.stride(0) for t in self.sources], dtype=torch.int64)
         return starts[self.source] + self.row * strides[self.source]
 
+    def file_positions(self) -> torch.Tensor | None:
+        """Where each output row's first block lies in the file: int64 [N]; None where a view's place is unknown.
+        With the type and width, what the panels are made of (``engine/backends/panel_cache.py``'s key)."""
+        if len(self.offsets) != len(self.sources):
+            return None
+        starts = torch.tensor(self.offsets, dtype=torch.int64)
+        strides = torch.tensor([t.stride(0) for t in self.sources], dtype=torch.int64)
+        return starts[self.source] + self.row * strides[self.source]
+
     def rows(self, index: torch.Tensor | slice) -> FileBlocks:
         return FileBlocks(self.ggml_type, self.type_id, self.in_features, self.sources, self.source[index],
-                          self.row[index], self.decoder, self.mapped)
+                          self.row[index], self.decoder, self.mapped, self.offsets)
 
     @staticmethod
     def cat(parts: list[FileBlocks]) -> FileBlocks:
@@ -203,8 +213,10 @@ class FileBlocks:
         for p in parts:
             source.append(p.source + len(sources))
             sources.extend(p.sources)
+        known = all(len(p.offsets) == len(p.sources) for p in parts)
+        offsets = tuple(o for p in parts for o in p.offsets) if known else ()
         return FileBlocks(first.ggml_type, first.type_id, first.in_features, tuple(sources), torch.cat(source),
-                          torch.cat([p.row for p in parts]), first.decoder, all(p.mapped for p in parts))
+                          torch.cat([p.row for p in parts]), first.decoder, all(p.mapped for p in parts), offsets)
 
     def decoded(self) -> QuantizedWeight:
         raw = torch.empty(self.shape[0], self.sources[0].shape[1], dtype=torch.uint8)

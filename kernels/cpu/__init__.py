@@ -155,6 +155,13 @@ def panel_width() -> int:
     return _library().hp_panel_width()
 
 
+def panel_layout() -> str:
+    """A name for the layout ``pack_gguf_rows`` writes: the build's (its sources, compiler and CPU, ``_build``) and
+    the shapes ``blocks.py`` gives the panels. Equal names, the same panels from the same blocks."""
+    shapes = hashlib.sha256(Path(blocks.__file__).read_bytes()).hexdigest()[:16]
+    return f"{Path(_library()._name).stem}-{shapes}"
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [N, K] in the panel layout ``linear`` reads: [ceil(N / P), K, P], zero-padded."""
     _check(weight, torch.float32, "weight")

@@ -1,0 +1,175 @@
+"""A GGUF file's packed panels kept in a file of their own, and mapped at the next start instead of packed again.
+
+Why: packing an 8B Q4_K_M file's 4.6 GB of panels took 4-10 s of each start (most of it the kernel handing out
+fresh zeroed pages), where one read of the file took 1.2-4 s, so a load could not come near twice one read. Mapped
+from the page cache, the panels multiply as fast as in fresh memory (a one-row int8 product over 0.9 GiB of Q4_K
+panels: 34.5 GB/s from either, docs/benchmarks.md), and a start costs at most one read of them.
+
+One cache file holds the panels of one GGUF file (its path, size and mtime) in one panel layout
+(``kernels.cpu.panel_layout``: the kernels' build and ``blocks.py``). Each entry is named by what it was packed from:
+the ggml type, the inputs and the file position of every output row's blocks. So a changed fusion or row order
+misses and is packed anew; it never maps the wrong panels. The file is written whole, beside its place and renamed
+into it, its index last; older files of the same GGUF file, and those of files gone or changed, are removed then.
+Small models are not cached (``MIN_BYTES``): they pack in well under a second.
+
+The pages are the page cache's, so they count as available memory (/proc/meminfo): the KV pool's budget leaves them
+out (``mapped_bytes``, ``TorchBackend.kv_cache_bytes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.models.quantized import FileBlocks
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # of this file's format
+MIN_BYTES = 256 << 20  # panels below this are packed at each start (a 135M model's take ~0.1 s)
+ALIGN = 4096  # each entry on a page of its own
+SPARE_DISK = 1 << 30  # what writing leaves free on the disk at least
+MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in now, as reads (no private copies)
+
+
+def _digest(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class PanelCache:
+    """The panels of ``gguf``'s blocks as this build packs them: mapped where a whole cache file exists, else packed
+    and, once all are (``finish``), written for the next start."""
+
+    def __init__(self, gguf: Path, root: Path, layout: str) -> None:
+        self.source = gguf.resolve()
+        stat = self.source.stat()
+        self.folder = root / "panels"
+        self.prefix = f"{gguf.stem}-{_digest(str(self.source))[:8]}"
+        key = _digest(f"{CACHE_VERSION}:{self.source}:{stat.st_size}:{stat.st_mtime_ns}:{layout}")[:16]
+        self.data_path = self.folder / f"{self.prefix}-{key}.bin"
+        self.index_path = self.folder / f"{self.prefix}-{key}.json"
+        self._mapping: mmap.mmap | None = None
+        self._entries: dict[str, dict] = {}
+        self._used: dict[str, torch.Tensor] = {}  # every weight packed or mapped, by its name, in packing order
+        self._packed = 0  # of those, weights packed here
+        self._open()
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of panels held as the cache file's pages (none where the file was written this start)."""
+        return len(self._mapping) if self._mapping is not None else 0
+
+    def _open(self) -> None:
+        try:
+            index = json.loads(self.index_path.read_text())
+            with open(self.data_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if index.get("version") != CACHE_VERSION or index.get("bytes") != size or not size:
+                    return  # not whole: packed anew and written again
+                # private and writable, so torch takes it as a buffer; nothing writes it, so no page is copied
+                mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):
+            return
+        started = time.monotonic()
+        try:
+            mapping.madvise(MADV_POPULATE_READ)  # the one read, now rather than in the first steps
+        except (OSError, ValueError):
+            mapping.madvise(mmap.MADV_WILLNEED)
+        self._mapping, self._entries = mapping, index["entries"]
+        logger.info("panels of %s mapped from %s: %.0f MiB in %.1f s", self.source.name, self.data_path,
+                    size / 2**20, time.monotonic() - started)
+
+    def pack(self, weight: FileBlocks, pack: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``weight``'s panels: the cache file's, where it holds them, else ``pack()``'s."""
+        positions = weight.file_positions()
+        if positions is None:  # not known to come from the file: packed, not cached
+            return pack()
+        name = _digest(f"{weight.type_id}:{weight.in_features}:".encode() + positions.numpy().tobytes())
+        entry = self._entries.get(name)
+        if entry is not None and self._mapping is not None:
+            dtype, shape = getattr(torch, entry["dtype"]), torch.Size(entry["shape"])
+            count = shape.numel() * dtype.itemsize
+            panels = torch.frombuffer(self._mapping, dtype=torch.uint8, count=count, offset=entry["offset"])
+            panels = panels.view(dtype).view(shape)
+        else:
+            panels = pack()
+            self._packed += 1
+        self._used[name] = panels
+        return panels
+
+    def finish(self) -> None:
+        """Once every weight is packed: write the cache file where this start packed any, or used other entries
+        than the file's; enough disk and panels enough to be worth it."""
+        if not self._packed and self._used.keys() == self._entries.keys():
+            return
+        total = sum(_aligned(t.nbytes) for t in self._used.values())
+        if total < MIN_BYTES:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.folder).free
+            if free < total + SPARE_DISK:
+                logger.info("panels not cached: %.0f MiB free in %s, %.0f MiB needed", free / 2**20, self.folder,
+                            (total + SPARE_DISK) / 2**20)
+                return
+            started = time.monotonic()
+            self._write(total)
+        except OSError as e:  # a cache only: the server runs as well without it
+            logger.warning("panels not cached in %s: %s", self.folder, e)
+            return
+        logger.info("panels of %s cached in %s: %.0f MiB in %.1f s (mapped from there at the next start)",
+                    self.source.name, self.data_path, total / 2**20, time.monotonic() - started)
+        self._prune()
+
+    def _write(self, total: int) -> None:
+        entries, offset = {}, 0
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for name, panels in self._used.items():
+                    entries[name] = {"dtype": str(panels.dtype).removeprefix("torch."), "shape": list(panels.shape),
+                                     "offset": offset}
+                    f.write(memoryview(panels.contiguous().view(-1).view(torch.uint8).numpy()))
+                    f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
+                    offset += _aligned(panels.nbytes)
+                f.flush()
+                os.fsync(f.fileno())  # whole on the disk before the index names it
+            os.replace(tmp, self.data_path)
+            index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": total, "entries": entries}
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(index, f)
+            os.replace(tmp, self.index_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _prune(self) -> None:
+        """Remove the other cache files of this GGUF file, and those whose GGUF file is gone or changed since."""
+        for index_path in self.folder.glob("*.json"):
+            if index_path == self.index_path or index_path.name.startswith("."):  # (another's, being written)
+                continue
+            data_path = index_path.with_suffix(".bin")
+            try:
+                source = Path(json.loads(index_path.read_text())["source"])
+                stale = index_path.name.startswith(self.prefix + "-") or not source.exists() \
+                    or source.stat().st_mtime > data_path.stat().st_mtime
+            except (OSError, ValueError, KeyError):
+                stale = True
+            if stale:
+                index_path.unlink(missing_ok=True)
+                data_path.unlink(missing_ok=True)

@@ -1,0 +1,142 @@
+"""engine/backends/panel_cache.py: a GGUF file's panels packed once, kept in a cache file and mapped at the next
+start; never the wrong panels, whatever changed in between."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.backends import cpu as cpu_backend
+from engine.backends import panel_cache
+from engine.backends.panel_cache import PanelCache
+from engine.gguf_weights import iter_gguf_weights
+from engine.llm import LLM
+from engine.models.quantized import FileBlocks
+from engine.sampling_params import SamplingParams
+from kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+
+
+@pytest.fixture
+def counted_packs(monkeypatch) -> list[int]:
+    """Every weight packed from the file's bytes from now on (not mapped), counted."""
+    packs, pack = [], cpu.pack_gguf_rows
+    monkeypatch.setattr(cpu, "pack_gguf_rows", lambda *args, **kwargs: packs.append(1) or pack(*args, **kwargs))
+    monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)  # the small test model's panels cached too
+    return packs
+
+
+def blocks_of(path, names: int = 3) -> list[FileBlocks]:
+    """The first block weights of the file, as the loader hands them to a backend."""
+    found = [w for _, w in iter_gguf_weights(str(path), 4, 2) if isinstance(w, FileBlocks)]
+    return found[:names]
+
+
+def cache_of(path, root) -> PanelCache:
+    return PanelCache(path, root, cpu.panel_layout())
+
+
+def pack_all(cache: PanelCache, weights: list[FileBlocks]) -> list[torch.Tensor]:
+    def packer(w: FileBlocks):
+        return lambda: cpu.pack_gguf_rows(w.type_id, w.addresses(), w.in_features)
+
+    return [cache.pack(w, packer(w)) for w in weights]
+
+
+def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tokens(small_q4_k_m, tmp_path,
+                                                                                    monkeypatch, counted_packs):
+    monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
+    options = dict(max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    first = LLM(str(small_q4_k_m), **options)
+    packed = len(counted_packs)
+    assert packed > 0 and first.engine.backend.mapped_weight_bytes() == 0
+    files = sorted(p.suffix for p in (tmp_path / "panels").iterdir())
+    assert files == [".bin", ".json"]
+    tokens = first.generate(["Hello there", "Once upon"], params)
+    panels = first.engine.model.layers[0].mlp.down_proj.kernel.packed.clone()
+    del first
+
+    second = LLM(str(small_q4_k_m), **options)
+    assert len(counted_packs) == packed  # nothing packed: every weight mapped
+    backend = second.engine.backend
+    assert backend.mapped_weight_bytes() == (tmp_path / "panels" / backend.panel_cache.data_path.name).stat().st_size
+    assert torch.equal(second.engine.model.layers[0].mlp.down_proj.kernel.packed, panels)
+    again = second.generate(["Hello there", "Once upon"], params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in tokens]
+    del second
+
+    LLM(str(small_q4_k_m), panel_cache=False, **options)  # --no-panel-cache: packed, the cache neither read nor made
+    assert len(counted_packs) == 2 * packed
+
+
+def test_panels_of_other_rows_are_packed_not_mapped_and_the_file_made_again(small_q4_k_m, tmp_path, counted_packs):
+    weights = blocks_of(small_q4_k_m)
+    cache = cache_of(small_q4_k_m, tmp_path)
+    fresh = pack_all(cache, weights)
+    cache.finish()
+    assert len(counted_packs) == len(weights)
+
+    cache = cache_of(small_q4_k_m, tmp_path)
+    assert [torch.equal(a, b) for a, b in zip(pack_all(cache, weights), fresh, strict=True)] == [True] * len(weights)
+    assert len(counted_packs) == len(weights) and cache.mapped_bytes > 0
+    cache.finish()  # all were there: nothing written
+    reversed_rows = weights[0].rows(torch.arange(weights[0].shape[0]).flip(0))  # same type, width and tensor
+    [panels] = pack_all(cache, [reversed_rows])
+    assert len(counted_packs) == len(weights) + 1  # packed, not the cached panels of the rows in file order
+    assert torch.equal(panels, cpu.pack_gguf_rows(reversed_rows.type_id, reversed_rows.addresses(),
+                                                  reversed_rows.in_features))
+    cache.finish()
+
+    cache = cache_of(small_q4_k_m, tmp_path)  # the new file holds all four
+    pack_all(cache, [*weights, reversed_rows])
+    assert len(counted_packs) == len(weights) + 2
+
+
+def test_a_cut_short_cache_file_is_not_mapped_and_is_made_again(small_q4_k_m, tmp_path, counted_packs):
+    weights = blocks_of(small_q4_k_m)
+    cache = cache_of(small_q4_k_m, tmp_path)
+    fresh = pack_all(cache, weights)
+    cache.finish()
+    size = cache.data_path.stat().st_size
+    os.truncate(cache.data_path, size // 2)
+
+    cache = cache_of(small_q4_k_m, tmp_path)
+    assert cache.mapped_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(pack_all(cache, weights), fresh, strict=True))
+    assert len(counted_packs) == 2 * len(weights)
+    cache.finish()
+    assert cache.data_path.stat().st_size == size
+
+
+def test_a_changed_gguf_file_gets_a_cache_file_of_its_own_and_the_old_one_goes(small_q4_k_m, tmp_path,
+                                                                              counted_packs):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(small_q4_k_m.read_bytes())
+    weights = blocks_of(gguf)
+    old = cache_of(gguf, tmp_path)
+    pack_all(old, weights)
+    old.finish()
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, say
+
+    new = cache_of(gguf, tmp_path)
+    assert new.data_path != old.data_path and new.mapped_bytes == 0
+    pack_all(new, blocks_of(gguf))
+    assert len(counted_packs) == 2 * len(weights)
+    new.finish()
+    assert sorted(p.name for p in (tmp_path / "panels").iterdir()) == sorted(
+        [new.data_path.name, new.index_path.name])
+
+
+def test_the_kv_pool_budget_leaves_out_the_mapped_panels(monkeypatch):
+    backend = cpu_backend.CpuBackend.__new__(cpu_backend.CpuBackend)
+    backend.config = type("Config", (), {"kv_cache_memory": 0.5})()
+    backend.device = torch.device("cpu")
+    backend.panel_cache = type("Mapped", (), {"mapped_bytes": 6 << 30})()
+    monkeypatch.setattr("engine.backends.base.available_memory", lambda device: 20 << 30)
+    assert backend.kv_cache_bytes() == 7 << 30  # half of the 14 GiB the panels' pages leave
