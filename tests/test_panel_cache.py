@@ -3,6 +3,7 @@ start; never the wrong panels, whatever changed in between."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -140,3 +141,18 @@ def test_the_kv_pool_budget_leaves_out_the_mapped_panels(monkeypatch):
     backend.panel_cache = type("Mapped", (), {"mapped_bytes": 6 << 30})()
     monkeypatch.setattr("engine.backends.base.available_memory", lambda device: 20 << 30)
     assert backend.kv_cache_bytes() == 7 << 30  # half of the 14 GiB the panels' pages leave
+
+
+def test_an_index_entry_that_does_not_fit_the_file_is_packed_anew(small_q4_k_m, tmp_path, counted_packs):
+    weights = blocks_of(small_q4_k_m, names=2)
+    cache = cache_of(small_q4_k_m, tmp_path)
+    fresh = pack_all(cache, weights)
+    cache.finish()
+    index = json.loads(cache.index_path.read_text())
+    first = next(iter(index["entries"].values()))
+    first["offset"] = index["bytes"]  # past the end
+    cache.index_path.write_text(json.dumps(index))
+
+    cache = cache_of(small_q4_k_m, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(pack_all(cache, weights), fresh, strict=True))
+    assert len(counted_packs) == len(weights) + 1  # the one that did not fit, packed

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.models.quantized import FileBlocks
+from kernels.cpu.pages import HUGE_PAGE
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +77,23 @@ class PanelCache:
     def _open(self) -> None:
         try:
             index = json.loads(self.index_path.read_text())
+            entries = dict(index["entries"])
             with open(self.data_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if index.get("version") != CACHE_VERSION or index.get("bytes") != size or not size:
+                if index["version"] != CACHE_VERSION or index["bytes"] != size or not size:
                     return  # not whole: packed anew and written again
                 # private and writable, so torch takes it as a buffer; nothing writes it, so no page is copied
                 mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             return
         started = time.monotonic()
-        try:
-            mapping.madvise(MADV_POPULATE_READ)  # the one read, now rather than in the first steps
-        except (OSError, ValueError):
-            mapping.madvise(mmap.MADV_WILLNEED)
-        self._mapping, self._entries = mapping, index["entries"]
+        # read from the disk, its pages come in as 2 MiB folios; and the one read now rather than in the first steps
+        for advice in (mmap.MADV_HUGEPAGE, MADV_POPULATE_READ):
+            try:
+                mapping.madvise(advice)
+            except OSError:
+                pass  # advice only (MADV_POPULATE_READ is Linux 5.14's): the pages fault in as they are read
+        self._mapping, self._entries = mapping, entries
         logger.info("panels of %s mapped from %s: %.0f MiB in %.1f s", self.source.name, self.data_path,
                     size / 2**20, time.monotonic() - started)
 
@@ -99,17 +103,24 @@ class PanelCache:
         if positions is None:  # not known to come from the file: packed, not cached
             return pack()
         name = _digest(f"{weight.type_id}:{weight.in_features}:".encode() + positions.numpy().tobytes())
-        entry = self._entries.get(name)
-        if entry is not None and self._mapping is not None:
-            dtype, shape = getattr(torch, entry["dtype"]), torch.Size(entry["shape"])
-            count = shape.numel() * dtype.itemsize
-            panels = torch.frombuffer(self._mapping, dtype=torch.uint8, count=count, offset=entry["offset"])
-            panels = panels.view(dtype).view(shape)
-        else:
+        panels = self._mapped(self._entries.get(name))
+        if panels is None:
             panels = pack()
             self._packed += 1
         self._used[name] = panels
         return panels
+
+    def _mapped(self, entry: dict | None) -> torch.Tensor | None:
+        """An entry's panels in the mapping; None where there is none, or the entry does not fit it."""
+        if entry is None or self._mapping is None:
+            return None
+        try:
+            dtype, shape = getattr(torch, entry["dtype"]), torch.Size(entry["shape"])
+            count = shape.numel() * dtype.itemsize
+            panels = torch.frombuffer(self._mapping, dtype=torch.uint8, count=count, offset=entry["offset"])
+            return panels.view(dtype).view(shape)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
+            return None
 
     def finish(self) -> None:
         """Once every weight is packed: write the cache file where this start packed any, or used other entries
@@ -139,15 +150,13 @@ class PanelCache:
         entries, offset = {}, 0
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with _HugePageWriter(fd) as f:
                 for name, panels in self._used.items():
                     entries[name] = {"dtype": str(panels.dtype).removeprefix("torch."), "shape": list(panels.shape),
                                      "offset": offset}
                     f.write(memoryview(panels.contiguous().view(-1).view(torch.uint8).numpy()))
                     f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
                     offset += _aligned(panels.nbytes)
-                f.flush()
-                os.fsync(f.fileno())  # whole on the disk before the index names it
             os.replace(tmp, self.data_path)
             index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": total, "entries": entries}
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
@@ -173,3 +182,41 @@ class PanelCache:
             if stale:
                 index_path.unlink(missing_ok=True)
                 data_path.unlink(missing_ok=True)
+
+
+class _HugePageWriter:
+    """Writes a file in whole 2 MiB pieces at 2 MiB offsets, then makes it durable (``fsync``) as it closes.
+
+    Why: the page cache keeps a file written this way in 2 MiB folios, which a mapping then takes as 2 MiB pages.
+    Written entry by entry, about half of an 8B model's cache file was left in smaller folios, and the one-row
+    products over its panels took 3-4% longer than over fresh 2 MiB pages; all in 2 MiB folios, the same time
+    (``python -m loadtest.lab.panel_pages``, docs/benchmarks.md)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.piece, self.filled = fd, bytearray(HUGE_PAGE), 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        data = memoryview(data)
+        while data:
+            n = min(len(data), HUGE_PAGE - self.filled)
+            self.piece[self.filled:self.filled + n] = data[:n]
+            self.filled, data = self.filled + n, data[n:]
+            if self.filled == HUGE_PAGE:
+                self._flush()
+
+    def _flush(self) -> None:
+        piece = memoryview(self.piece)[:self.filled]
+        while piece:
+            piece = piece[os.write(self.fd, piece):]
+        self.filled = 0
+
+    def __enter__(self) -> _HugePageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self._flush()
+                os.fsync(self.fd)  # whole on the disk before the index names it
+        finally:
+            os.close(self.fd)
