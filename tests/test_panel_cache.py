@@ -156,3 +156,16 @@ def test_an_index_entry_that_does_not_fit_the_file_is_packed_anew(small_q4_k_m, 
     cache = cache_of(small_q4_k_m, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(pack_all(cache, weights), fresh, strict=True))
     assert len(counted_packs) == len(weights) + 1  # the one that did not fit, packed
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_panels_packed_and_nothing_behind(small_q4_k_m, tmp_path,
+                                                                                      counted_packs, caplog):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "panels").write_text("a file where the folder would be")
+    cache = cache_of(small_q4_k_m, root)
+    weights = blocks_of(small_q4_k_m, names=2)
+    fresh = pack_all(cache, weights)
+    cache.finish()  # logs and goes on
+    assert "panels not cached" in caplog.text and len(fresh) == 2
+    assert sorted(p.name for p in root.iterdir()) == ["panels"]
