@@ -4,9 +4,11 @@ once. Then a short c1 run for the token rate.
 
     python -m loadtest.lab.load_cost --model ~/.cache/harpoon/random-models/llama-3.2-1b-q4_k_m-seed0.gguf
 
-The figures set the targets of a GGUF loader (peak RSS against the file's size, load time against one read), and
-the c1 decode's rate of reading the weights (the engine's ledger of packed weights over the time per token) against
-the machine's measured read bandwidth.
+The figures set the targets of a GGUF loader (peak RSS against the file's size, load time against one read: the
+whole start's and the engine's load step's, from its config to its last weight packed or mapped), and the c1
+decode's rate of reading the weights (the engine's ledger of packed weights over the time per token) against the
+machine's measured read bandwidth. A GGUF file's second start maps the panels its first start kept
+(``engine/backends/panel_cache.py``); ``--serve-args "... --no-panel-cache"`` packs them again.
 """
 
 from __future__ import annotations
@@ -142,7 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     tpot = summary["tpot_ms"]["median"] / 1000
     print(f"c1, 128 in / 128 out: TPOT p50 {tpot * 1000:.1f} ms, TTFT p50 "
           f"{summary['ttft_ms']['median']:.0f} ms, {summary['output_throughput']:.1f} tok/s")
-    weights = re.search(r"weights\s+([\d.]+) MiB", log.read_text())
+    text = log.read_text()
+    loaded = re.search(r"engine_core: loaded .* in ([\d.]+) s", text)
+    if loaded:
+        load_step = float(loaded.group(1))
+        panels = re.search(r"panel_cache: panels of .* (mapped from|cached in) ", text)
+        how = {"mapped from": ", panels mapped", "cached in": ", panels packed and cached"}.get(
+            panels.group(1) if panels else "", "")
+        print(f"load step {load_step:.1f} s{how} ({load_step / max(read_s, 1e-3):.1f}x one read)")
+    weights = re.search(r"weights\s+([\d.]+) MiB", text)
     if weights:
         rate = float(weights.group(1)) * 2**20 / tpot
         print(f"weights {float(weights.group(1)):.0f} MiB packed ({float(weights.group(1)) * 2**20 / size:.2f}x the "
