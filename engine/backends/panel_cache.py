@@ -2,8 +2,9 @@
 
 Why: packing an 8B Q4_K_M file's 4.6 GB of panels took 4-10 s of each start (most of it the kernel handing out
 fresh zeroed pages), where one read of the file took 1.2-4 s, so a load could not come near twice one read. Mapped
-from the page cache, the panels multiply as fast as in fresh memory (a one-row int8 product over 0.9 GiB of Q4_K
-panels: 34.5 GB/s from either, docs/benchmarks.md), and a start costs at most one read of them.
+from the page cache in 2 MiB pages (``_HugePageWriter``), the panels multiply as fast as in fresh memory (one-row
+int8 products over an 8B model's 4.6 GB: 1.008x the time, ``loadtest/lab/panel_pages.py``), and a start costs at
+most one read of them.
 
 One cache file holds the panels of one GGUF file (its path, size and mtime) in one panel layout
 (``kernels.cpu.panel_layout``: the kernels' build and ``blocks.py``). Each entry is named by what it was packed from:

@@ -185,16 +185,16 @@ class FileBlocks:
 
     def addresses(self) -> torch.Tensor:
         """Where each output row's first block lies in memory: int64 [N]."""
-        starts = torch.tensor([t.data_ptr() for t in self.sources], dtype=torch.int64)
-        strides = torch.tensor([t.stride(0) for t in self.sources], dtype=torch.int64)
-        return starts[self.source] + self.row * strides[self.source]
+        return self._row_starts([t.data_ptr() for t in self.sources])
 
     def file_positions(self) -> torch.Tensor | None:
         """Where each output row's first block lies in the file: int64 [N]; None where a view's place is unknown.
         With the type and width, what the panels are made of (``engine/backends/panel_cache.py``'s key)."""
-        if len(self.offsets) != len(self.sources):
-            return None
-        starts = torch.tensor(self.offsets, dtype=torch.int64)
+        return self._row_starts(self.offsets) if len(self.offsets) == len(self.sources) else None
+
+    def _row_starts(self, view_starts: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """Each output row's first block, where each view starts at ``view_starts``: int64 [N]."""
+        starts = torch.tensor(view_starts, dtype=torch.int64)
         strides = torch.tensor([t.stride(0) for t in self.sources], dtype=torch.int64)
         return starts[self.source] + self.row * strides[self.source]
 
