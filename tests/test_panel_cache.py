@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -169,3 +170,18 @@ def test_a_cache_that_cannot_be_written_leaves_the_panels_packed_and_nothing_beh
     cache.finish()  # logs and goes on
     assert "panels not cached" in caplog.text and len(fresh) == 2
     assert sorted(p.name for p in root.iterdir()) == ["panels"]
+
+
+def test_files_left_half_written_by_a_stopped_writer_are_removed_and_a_running_ones_kept(small_q4_k_m, tmp_path,
+                                                                                          counted_packs):
+    folder = tmp_path / "panels"
+    folder.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stopped, running = folder / f".tmp-{gone.pid}-abc.bin", folder / f".tmp-{os.getpid()}-def.bin"
+    stopped.write_bytes(b"half")
+    running.write_bytes(b"half")
+    cache = cache_of(small_q4_k_m, tmp_path)
+    pack_all(cache, blocks_of(small_q4_k_m, names=1))
+    cache.finish()
+    assert not stopped.exists() and running.exists() and cache.data_path.exists()

@@ -42,6 +42,7 @@ MIN_BYTES = 256 << 20  # panels below this are packed at each start (a 135M mode
 ALIGN = 4096  # each entry on a page of its own
 SPARE_DISK = 1 << 30  # what writing leaves free on the disk at least
 MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in now, as reads (no private copies)
+_TMP_PREFIX = ".tmp-{pid}-"  # a file being written, by process pid
 
 
 def _digest(text: str | bytes) -> str:
@@ -149,7 +150,7 @@ class PanelCache:
 
     def _write(self, total: int) -> None:
         entries, offset = {}, 0
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".bin")
         try:
             with _HugePageWriter(fd) as f:
                 for name, panels in self._used.items():
@@ -160,7 +161,7 @@ class PanelCache:
                     offset += _aligned(panels.nbytes)
             os.replace(tmp, self.data_path)
             index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": total, "entries": entries}
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(index, f)
             os.replace(tmp, self.index_path)
@@ -169,7 +170,12 @@ class PanelCache:
             raise
 
     def _prune(self) -> None:
-        """Remove the other cache files of this GGUF file, and those whose GGUF file is gone or changed since."""
+        """Remove the other cache files of this GGUF file, those whose GGUF file is gone or changed since, and the
+        half-written files of writers no longer running (a server stopped while its first start wrote)."""
+        for tmp in self.folder.glob(".tmp-*"):
+            writer = tmp.name.split("-")[1]
+            if not writer.isdigit() or not Path(f"/proc/{writer}").exists():
+                tmp.unlink(missing_ok=True)
         for index_path in self.folder.glob("*.json"):
             if index_path == self.index_path or index_path.name.startswith("."):  # (another's, being written)
                 continue
