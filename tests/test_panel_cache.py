@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_a_cache_that_cannot_be_written_leaves_the_panels_packed_and_nothing_beh
 
 
 def test_files_left_half_written_by_a_stopped_writer_are_removed_and_a_running_ones_kept(small_q4_k_m, tmp_path,
-                                                                                          counted_packs):
+                                                                                          counted_packs, monkeypatch):
     folder = tmp_path / "panels"
     folder.mkdir()
     gone = subprocess.Popen(["true"])
@@ -181,6 +182,9 @@ def test_files_left_half_written_by_a_stopped_writer_are_removed_and_a_running_o
     stopped, running = folder / f".tmp-{gone.pid}-abc.bin", folder / f".tmp-{os.getpid()}-def.bin"
     stopped.write_bytes(b"half")
     running.write_bytes(b"half")
+    # the disk is full until the stopped writer's file goes: it must go before the free space is counted
+    monkeypatch.setattr(panel_cache.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(free=0 if stopped.exists() else 1 << 50))
     cache = cache_of(small_q4_k_m, tmp_path)
     pack_all(cache, blocks_of(small_q4_k_m, names=1))
     cache.finish()

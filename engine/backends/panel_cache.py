@@ -134,6 +134,7 @@ class PanelCache:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            self._remove_abandoned()  # before the disk's free space is counted
             free = shutil.disk_usage(self.folder).free
             if free < total + SPARE_DISK:
                 logger.info("panels not cached: %.0f MiB free in %s, %.0f MiB needed", free / 2**20, self.folder,
@@ -169,13 +170,16 @@ class PanelCache:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def _prune(self) -> None:
-        """Remove the other cache files of this GGUF file, those whose GGUF file is gone or changed since, and the
-        half-written files of writers no longer running (a server stopped while its first start wrote)."""
+    def _remove_abandoned(self) -> None:
+        """Remove the half-written files of writers no longer running (a server stopped while its first start
+        wrote): each as large as a model."""
         for tmp in self.folder.glob(".tmp-*"):
             writer = tmp.name.split("-")[1]
             if not writer.isdigit() or not Path(f"/proc/{writer}").exists():
                 tmp.unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        """Remove the other cache files of this GGUF file, and those whose GGUF file is gone or changed since."""
         for index_path in self.folder.glob("*.json"):
             if index_path == self.index_path or index_path.name.startswith("."):  # (another's, being written)
                 continue
