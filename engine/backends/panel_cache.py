@@ -53,6 +53,16 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class PanelCache:
     """The panels of ``gguf``'s blocks as this build packs them: mapped where a whole cache file exists, else packed
     and, once all are (``finish``), written for the next start."""
@@ -90,11 +100,11 @@ class PanelCache:
             return
         started = time.monotonic()
         # read from the disk, its pages come in as 2 MiB folios; and the one read now rather than in the first steps
-        for advice in (mmap.MADV_HUGEPAGE, MADV_POPULATE_READ):
+        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), MADV_POPULATE_READ):
             try:
                 mapping.madvise(advice)
-            except OSError:
-                pass  # advice only (MADV_POPULATE_READ is Linux 5.14's): the pages fault in as they are read
+            except (OSError, TypeError):
+                pass  # advice only (Linux's; MADV_POPULATE_READ is 5.14's): the pages fault in as they are read
         self._mapping, self._entries = mapping, entries
         logger.info("panels of %s mapped from %s: %.0f MiB in %.1f s", self.source.name, self.data_path,
                     size / 2**20, time.monotonic() - started)
@@ -175,7 +185,7 @@ class PanelCache:
         wrote): each as large as a model."""
         for tmp in self.folder.glob(".tmp-*"):
             writer = tmp.name.split("-")[1]
-            if not writer.isdigit() or not Path(f"/proc/{writer}").exists():
+            if not writer.isdigit() or not _running(int(writer)):
                 tmp.unlink(missing_ok=True)
 
     def _prune(self) -> None:
