@@ -43,10 +43,7 @@ def cache_of(path, root) -> PanelCache:
 
 
 def pack_all(cache: PanelCache, weights: list[FileBlocks]) -> list[torch.Tensor]:
-    def packer(w: FileBlocks):
-        return lambda: cpu.pack_gguf_rows(w.type_id, w.addresses(), w.in_features)
-
-    return [cache.pack(w, packer(w)) for w in weights]
+    return [cpu_backend._pack_quantized(w, cache) for w in weights]
 
 
 def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tokens(small_q4_k_m, tmp_path,

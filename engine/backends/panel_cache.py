@@ -58,8 +58,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
-        return True
+    except PermissionError:
+        pass  # another user's
     return True
 
 
@@ -151,7 +151,7 @@ class PanelCache:
                             (total + SPARE_DISK) / 2**20)
                 return
             started = time.monotonic()
-            self._write(total)
+            self._write()
         except OSError as e:  # a cache only: the server runs as well without it
             logger.warning("panels not cached in %s: %s", self.folder, e)
             return
@@ -159,7 +159,7 @@ class PanelCache:
                     self.source.name, self.data_path, total / 2**20, time.monotonic() - started)
         self._prune()
 
-    def _write(self, total: int) -> None:
+    def _write(self) -> None:
         entries, offset = {}, 0
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".bin")
         try:
@@ -171,7 +171,7 @@ class PanelCache:
                     f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
                     offset += _aligned(panels.nbytes)
             os.replace(tmp, self.data_path)
-            index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": total, "entries": entries}
+            index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": offset, "entries": entries}
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(index, f)

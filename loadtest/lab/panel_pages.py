@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.backends import panel_cache
+from engine.backends.cpu import _pack_quantized
 from engine.backends.gemm_plan import cpu_isa
 from engine.backends.panel_cache import PanelCache
 from engine.gguf_weights import iter_gguf_weights
@@ -40,8 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         copies = []
         for _ in range(2):  # packed into fresh memory and written; then mapped from the file written
             cache = PanelCache(model, Path(root), cpu.panel_layout())
-            copies.append([cache.pack(w, lambda w=w: cpu.pack_gguf_rows(w.type_id, w.addresses(), w.in_features))
-                           for w in weights])
+            copies.append([_pack_quantized(w, cache) for w in weights])
             cache.finish()
         fresh, mapped = copies
         assert cache.mapped_bytes and all(torch.equal(a, b) for a, b in zip(fresh, mapped, strict=True))
