@@ -9,6 +9,8 @@ from engine.backends.start_up import (
     SHORT_PROBE_TOKENS,
     cpu_token_budget,
     fixed_tokens,
+    long_probe_tokens,
+    probe_room,
     size_cpu_token_budget,
     warm_up_bursts,
 )
@@ -18,6 +20,14 @@ from engine.backends.start_up import (
                          [(1.55, 384), (1.58, 368), (2.41, 240), (4.0, 144), (9.0, 128), (0.1, 1024)])
 def test_budget_fills_the_target_step_time(per_token_ms, budget):
     assert cpu_token_budget(per_token_ms / 1000) == budget
+
+
+@pytest.mark.parametrize(("short_ms", "most", "tokens"),
+                         [(8.7, 256, 80), (7.0, 256, 96), (2.3, 256, 256), (14.0, 256, 64), (1.0, 199, 199)])
+def test_long_probes_are_about_one_target_step_at_the_short_probes_rate(short_ms, most, tokens):
+    """A 1B (8.7 ms a token in an 8-token step) probes with 80 tokens, not 256; the default model (2.3 ms) still
+    with 256; never under half the smallest budget, never over what the pool and context hold."""
+    assert long_probe_tokens(short_ms / 1000, most) == tokens
 
 
 @pytest.mark.parametrize(("one_ms", "many_ms", "n", "fixed"),
@@ -94,6 +104,8 @@ def test_only_a_model_too_slow_for_more_than_the_smallest_budget_skips_the_long_
     size_cpu_token_budget(engine)
     assert lengths[:2] == [1, SHORT_PROBE_TOKENS]
     assert (max(lengths) > SHORT_PROBE_TOKENS) == long_probes
+    if long_probes:
+        assert max(lengths) == long_probe_tokens(ms_per_token / 1000, probe_room(engine))
     assert engine.max_num_batched_tokens == cpu_token_budget(ms_per_token / 1000)
     if not long_probes:
         assert engine.max_num_batched_tokens == MIN_CPU_TOKEN_BUDGET and engine.scheduler.step_fixed_tokens == 0

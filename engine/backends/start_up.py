@@ -45,6 +45,17 @@ def cpu_token_budget(seconds_per_token: float, block_size: int = 16) -> int:
     return max(MIN_CPU_TOKEN_BUDGET, min(MAX_CPU_TOKEN_BUDGET, budget))
 
 
+def long_probe_tokens(short_per_token: float, most: int, block_size: int = 16) -> int:
+    """The long probes' length: a step of about CPU_STEP_TARGET_S at the short probe's cost per token, in whole
+    blocks, at least half the smallest budget and at most ``most``. A short step's tokens cost more than a long one's
+    (1.5-2x), so this is at most the budget the long probes then find, and a step's cost per token is flat from ~64
+    tokens on (a 1B bf16: 5.23 ms a token at 64, 128 and 256 tokens; the default model 1.17, 1.13 and 1.17). Why:
+    five 256-token probes took 6.7 s of that 1B's start (a 1B Q4_K_M's 6 s) to find the smallest budget, where
+    80-token ones take 2 s; the default model (2.3 ms a token at 8) still probes with 256."""
+    tokens = cdiv(int(CPU_STEP_TARGET_S / short_per_token), block_size) * block_size
+    return max(MIN_CPU_TOKEN_BUDGET // 2, min(most, tokens))
+
+
 def fixed_tokens(one: float, many: float, n: int) -> float:
     """A step's fixed cost in tokens' worth, a / b of t(n) = a + b n, from the seconds a step of one token and one
     of ``n`` tokens took (0 where the two do not show one)."""
@@ -52,12 +63,18 @@ def fixed_tokens(one: float, many: float, n: int) -> float:
     return max(0.0, (one - per_token) / per_token) if per_token > 0 else 0.0
 
 
+def probe_room(engine: EngineCore) -> int:
+    """The longest probe the context and the pool hold, up to BUDGET_PROBE_TOKENS."""
+    pool = (engine.kv_cache.num_blocks - 1) * engine.config.block_size
+    return min(BUDGET_PROBE_TOKENS, engine.max_model_len - 1, pool)
+
+
 def size_cpu_token_budget(engine: EngineCore) -> None:
     """Time a few prefill steps, then fix the budget so a full step takes about CPU_STEP_TARGET_S, and tell the
     scheduler a step's fixed cost (``Scheduler.prefill_budget``). Measured once: from then on the scheduling is
     deterministic (max_num_batched_tokens and prefill_tokens_per_decode fix it across machines too)."""
     block_size = engine.config.block_size
-    n = min(BUDGET_PROBE_TOKENS, engine.max_model_len - 1, (engine.kv_cache.num_blocks - 1) * block_size)
+    n = probe_room(engine)
     if n < MIN_CPU_TOKEN_BUDGET // 2:
         return  # a toy pool or context: keep the default
     # The first step pays one-off costs (page faults, thread start-up); the fastest of the rest is the machine's
@@ -73,6 +90,7 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
     if short >= SHORT_PROBE_MARGIN * CPU_STEP_TARGET_S / MIN_CPU_TOKEN_BUDGET:
         n, per_token = SHORT_PROBE_TOKENS, short
     else:
+        n = long_probe_tokens(short, n, block_size)
         timings = [engine.serve_made_up_prompts(i, 1, n) for i in range(BUDGET_PROBES)]
         per_token = min(timings[1:]) / n
         one = min(engine.serve_made_up_prompts(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
