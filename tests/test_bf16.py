@@ -92,13 +92,19 @@ def test_avx512_bf16_and_the_portable_body_give_the_same_bits():
 
 
 @pytest.mark.parametrize("n", [1, 48, 100])
-def test_bf16c_panels_hold_each_columns_pairs_of_inputs_and_zeros_past_the_last(n):
-    w = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-    width = cpu.panel_width()
-    panels = cpu.pack_weight_bf16c(w).view(-1, 32, width, 2)  # [panel, k // 2, column, k % 2]
-    padded = torch.zeros(panels.shape[0] * width, 64, dtype=torch.bfloat16)
-    padded[:n] = w
-    assert torch.equal(panels, padded.view(torch.int16).view(-1, width, 32, 2).transpose(1, 2))
+@pytest.mark.parametrize("width", ["bf16c", "bf16a"])
+def test_bf16_panels_hold_each_columns_pairs_of_inputs_and_zeros_past_the_last(n, width):
+    """Every bit of the weight, NaNs and infinities among them, in its place (BF16A's 32 columns a panel through the
+    same packing, whether or not this CPU has the AMX tiles that compute them)."""
+    bits = torch.randint(-2**15, 2**15, (n, 64), dtype=torch.int16, generator=torch.Generator().manual_seed(n))
+    w = bits.view(torch.bfloat16)
+    width = cpu.panel_width() if width == "bf16c" else cpu.BF16A_WIDTH
+    panels = cpu._bf16_pairs(w, width, torch.int16).view(-1, 32, width, 2)  # [panel, k // 2, column, k % 2]
+    padded = torch.zeros(panels.shape[0] * width, 64, dtype=torch.int16)
+    padded[:n] = bits
+    assert torch.equal(panels, padded.view(-1, width, 32, 2).transpose(1, 2))
+    if width == cpu.panel_width():
+        assert torch.equal(cpu.pack_weight_bf16c(w), panels.view(-1, 64, width))
 
 
 def test_bf16c_panels_need_an_even_in_features():

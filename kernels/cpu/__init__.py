@@ -72,6 +72,7 @@ def find_compiler() -> str | None:
 
 _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
     "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
+    "hp_pack_words": [_ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_q8x_available": [],
     "hp_q8x_dots": [],
     "hp_set_q8x_dot": [_c_int],
@@ -412,14 +413,9 @@ def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
     of each weight had come first, and the largest's two copies were in the load's peak (packing the 1B's shapes
     took 1106 MiB at its peak, now 606: the panels alone)."""
     n, k = weight.shape
-    bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
-    full, rest = divmod(n, width)
+    bits = weight.to(torch.bfloat16).contiguous()
     out = empty_on_huge_pages(cdiv(n, width), k // 2, width, 2, dtype=torch.int16)
-    if full:  # [panels, P, K/2, 2] -> [panels, K/2, P, 2]
-        out[:full].copy_(bits[:full * width].view(full, width, k // 2, 2).transpose(1, 2))
-    if rest:  # the last panel's columns past N are zero
-        out[full, :, rest:].zero_()
-        out[full, :, :rest].copy_(bits[full * width:].view(rest, k // 2, 2).transpose(0, 1))
+    _library().hp_pack_words(bits.data_ptr(), out.data_ptr(), n, k // 2, width)
     return out.view(-1, k, width).view(dtype)
 
 

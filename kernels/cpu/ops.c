@@ -168,15 +168,22 @@ static float exp_sub_sum(float *x, int n, float sub) {
 
 int hp_panel_width(void) { return NR; }
 
-void hp_pack_weight(const float *w, float *packed, int N, int K) {
-    int panels = (N + NR - 1) / NR;
+/* packed [ceil(N / width), K, width] = w [N, K] by panels of width columns, zero past column N: 32-bit words moved
+ * as bits, so fp32 weights or two bfloat16 (k, k + 1) a word, the BF16C and BF16A layouts. Why in C: torch's copy
+ * of the same transposed view packed 0.6-0.7 GB/s, 3.7 s of a 1B bfloat16 model's start. */
+void hp_pack_words(const uint32_t *w, uint32_t *packed, int N, int K, int width) {
+    int panels = (N + width - 1) / width;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < panels; p++)
         for (int k = 0; k < K; k++)
-            for (int j = 0; j < NR; j++) {
-                int n = p * NR + j;
-                packed[((int64_t)p * K + k) * NR + j] = n < N ? w[(int64_t)n * K + k] : 0.0f;
+            for (int j = 0; j < width; j++) {
+                int n = p * width + j;
+                packed[((int64_t)p * K + k) * width + j] = n < N ? w[(int64_t)n * K + k] : 0;
             }
+}
+
+void hp_pack_weight(const float *w, float *packed, int N, int K) {
+    hp_pack_words((const uint32_t *)w, (uint32_t *)packed, N, K, NR);
 }
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
