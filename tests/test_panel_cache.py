@@ -1,5 +1,5 @@
-"""engine/backends/panel_cache.py: a GGUF file's panels packed once, kept in a cache file and mapped at the next
-start; never the wrong panels, whatever changed in between."""
+"""engine/backends/panel_cache.py: a GGUF file's or a checkpoint folder's panels packed once, kept in a cache file
+and mapped at the next start; never the wrong panels, whatever changed in between."""
 
 from __future__ import annotations
 
@@ -186,3 +186,54 @@ def test_files_left_half_written_by_a_stopped_writer_are_removed_and_a_running_o
     pack_all(cache, blocks_of(small_q4_k_m, names=1))
     cache.finish()
     assert not stopped.exists() and running.exists() and cache.data_path.exists()
+
+
+PROMPT_IDS = [[5, 6, 7, 8], [300, 2, 41]]  # the tiny models' vocabulary is 512 tokens
+
+
+def _packed_weights(model) -> dict[str, torch.Tensor]:
+    """Every module's panels: the projections', the LM head's and the embedding lookups'."""
+    return {name: module.kernel.packed for name, module in model.named_modules()
+            if isinstance(getattr(module, "kernel", None), (cpu_backend.PackedLinear, cpu_backend.PackedEmbedding))}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weight_file_changes(
+        tiny_model, tmp_path, monkeypatch, dtype):
+    """A folder of safetensors (untied: its head, and in bfloat16 its embedding's lookups, have panels of their own)
+    packs at its first start, maps every panel at the next and serves the same tokens; a rewritten weight file packs
+    anew."""
+    monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)
+    monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in tiny_model("llama-mha-untied-llama3-rope").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    options = dict(dtype=dtype, kv_cache_memory=4 << 20, max_num_batched_tokens=64, gemm_kernels="c")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    first = LLM(str(folder), **options)
+    assert first.engine.backend.mapped_weight_bytes() == 0
+    tokens = [o.outputs[0].token_ids for o in first.generate(PROMPT_IDS, params)]
+    panels = {name: p.clone() for name, p in _packed_weights(first.engine.model).items()}
+    # (fp32 lookups read the table itself: its random values are no 4- or 8-bit blocks, so it has no panels)
+    assert {"lm_head", "layers.1.mlp.down_proj", *(["embed_tokens"] if dtype == "bfloat16" else [])} <= panels.keys()
+    del first
+
+    second = LLM(str(folder), **options)
+    cache = second.engine.backend.panel_cache
+    start = torch.frombuffer(cache._mapping, dtype=torch.uint8).data_ptr()
+    mapped = _packed_weights(second.engine.model)
+    assert mapped.keys() == panels.keys()
+    for name, p in mapped.items():
+        assert torch.equal(p, panels[name]) and start <= p.data_ptr() < start + cache.mapped_bytes, name
+    assert [o.outputs[0].token_ids for o in second.generate(PROMPT_IDS, params)] == tokens
+    del second
+
+    shard = next(folder.glob("*.safetensors"))
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, say
+    third = LLM(str(folder), **options)
+    assert third.engine.backend.mapped_weight_bytes() == 0
+    del third
+    assert len(list((tmp_path / "panels").glob("*.bin"))) == 1  # the old file went with the new one's writing

@@ -102,8 +102,9 @@ class TorchBackend:
 
     def prepare(self, model: LlamaForCausalLM, weights_file: Path | None = None) -> None:
         """Once the weights are loaded (in the engine's dtype): pack them for this backend's kernels. Plain torch
-        takes quantized weights (a GGUF file's) dense. ``weights_file``: the GGUF file the model's blocks were read
-        from, whole (not a tensor-parallel rank's part), where a backend may keep what it makes of them."""
+        takes quantized weights (a GGUF file's) dense. ``weights_file``: what the weights were read from, the GGUF file
+        or the checkpoint folder, whole (not a tensor-parallel rank's part), where a backend may keep what it makes
+        of them."""
         dequantize_weights(model, self.dtype, self.device)
 
     def bind(self, engine: EngineCore) -> None:

@@ -195,30 +195,30 @@ class CpuBackend(TorchBackend):
                 pack = _amx_panels
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
-            if weights_file is not None and self.config.panel_cache:
-                self.panel_cache = PanelCache(weights_file, cache_root(), cpu_kernels.panel_layout())
         else:
             self.plan = measure_plan([dense[m] for m in projections],
                                      lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
                                      self.config.gemm_kernels)
-        pack_blocks = partial(_pack_quantized, cache=self.panel_cache)
         del dense
         library = self.plan.uses_library
+        if weights_file is not None and self.config.panel_cache and not library:
+            self.panel_cache = PanelCache(weights_file, cache_root(), cpu_kernels.panel_layout())
+        pack_blocks = partial(_pack_quantized, cache=self.panel_cache)
         kernels = self._widened_kernels(model, blocks) if not library and self.bf16_dot == "amx" else {}
         for module, source in blocks.items():
             if module not in kernels:  # dense after all, as the other projections
                 module.weight = torch.nn.Parameter(source.dequantize(self.dtype), requires_grad=False)
                 widened.release(source)
         self.widened_panels = len(kernels)
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, Linear) and module in kernels:
                 module.kernel = kernels[module]
             elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
                 module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations, pack_blocks)
             elif isinstance(module, Linear) and module is not model.lm_head:
                 weight = module.release_weight()
-                module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(pack(weight),
-                                                                                       module.out_features)
+                module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(
+                    self._pack_dense(name, weight, pack), module.out_features)
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
         gate_up = first.mlp.gate_up_proj
@@ -242,7 +242,7 @@ class CpuBackend(TorchBackend):
         if model.lm_head.quantized is not None:
             head = pack_blocks(model.lm_head.take_quantized())
         elif model.lm_head not in kernels:
-            head = (pack if bf16 else pack_head)(model.lm_head.release_weight())
+            head = self._pack_dense("lm_head", model.lm_head.release_weight(), pack if bf16 else pack_head)
         if head is not None:
             model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
@@ -254,7 +254,8 @@ class CpuBackend(TorchBackend):
             lookup, rounded_to = pack_blocks(embed.quantized), self.dtype if bf16 else None
         else:
             table = embed.weight.detach()
-            lookup = cpu_kernels.pack_weight_bf16c(table) if bf16 else cpu_kernels.pack_weight_blocks(table)
+            lookup = self._pack_dense("embed_tokens", table,
+                                      cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_blocks)
         if lookup is not None:
             embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab, rounded_to), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
@@ -329,6 +330,11 @@ class CpuBackend(TorchBackend):
         if self._body_timing is not None:
             name, timing = self._body_timing
             setattr(self, name, timing())
+
+    def _pack_dense(self, name: str, weight: torch.Tensor,
+                    pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
+        """``pack(weight)``, module ``name``'s panels: mapped from the panel cache where it holds them."""
+        return pack(weight) if self.panel_cache is None else self.panel_cache.pack_dense(name, weight, pack)
 
     def after_start_up(self) -> None:
         # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the

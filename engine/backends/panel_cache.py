@@ -1,16 +1,19 @@
-"""A GGUF file's packed panels kept in a file of their own, and mapped at the next start instead of packed again.
+"""A model's packed panels kept in a file of their own, and mapped at the next start instead of packed again.
 
 Why: packing an 8B Q4_K_M file's 4.6 GB of panels took 4-10 s of each start (most of it the kernel handing out
 fresh zeroed pages), where one read of the file took 1.2-4 s, so a load could not come near twice one read. Mapped
 from the page cache in 2 MiB pages (``_HugePageWriter``), the panels multiply as fast as in fresh memory (one-row
 int8 products over an 8B model's 4.6 GB: 1.008x the time, ``loadtest/lab/panel_pages.py``), and a start costs at
-most one read of them.
+most one read of them. A checkpoint of dense weights (a folder of safetensors) is the same: a 1B bfloat16 model's
+2.4 GB of BF16C panels took ~3.7 s of its start, nearly all of it fresh 2 MiB pages.
 
-One cache file holds the panels of one GGUF file (its path, size and mtime) in one panel layout
-(``kernels.cpu.panel_layout``: the kernels' build and ``blocks.py``). Each entry is named by what it was packed from:
-the ggml type, the inputs and the file position of every output row's blocks. So a changed fusion or row order
-misses and is packed anew; it never maps the wrong panels. The file is written whole, beside its place and renamed
-into it, its index last; older files of the same GGUF file, and those of files gone or changed, are removed then.
+One cache file holds the panels of one source, a GGUF file or a checkpoint folder (its path, and the size and mtime
+of the file or of each of the folder's safetensors), in one panel layout (``kernels.cpu.panel_layout``: the kernels'
+build, the Python that shapes panels, and the switches that turn kinds of panel off). Each entry is named by what it
+was packed from: a GGUF file's by the ggml type, the inputs and the file position of every output row's blocks, so
+a changed fusion or row order misses and is packed anew; a dense weight's by its module's name, its shape and dtype,
+and the packing function. It never maps the wrong panels. The file is written whole, beside its place and renamed
+into it, its index last; older files of the same source, and those of sources gone or changed, are removed then.
 Small models are not cached (``MIN_BYTES``): they pack in well under a second.
 
 The pages are the page cache's, so they count as available memory (/proc/meminfo): the KV pool's budget leaves them
@@ -28,6 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,6 +57,16 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _advise(mapping: mmap.mmap, advice: int | None, start: int = 0, length: int = 0) -> None:
+    """madvise over ``length`` bytes from ``start`` (0: to the end), widened to whole pages. Advice only (Linux's;
+    MADV_POPULATE_READ is 5.14's): where refused, the pages fault in as they are read."""
+    begin = start - start % mmap.PAGESIZE
+    try:
+        mapping.madvise(advice, begin, length + start - begin if length else len(mapping) - begin)
+    except (OSError, TypeError, ValueError):
+        pass
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -63,16 +77,24 @@ def _running(pid: int) -> bool:
     return True
 
 
-class PanelCache:
-    """The panels of ``gguf``'s blocks as this build packs them: mapped where a whole cache file exists, else packed
-    and, once all are (``finish``), written for the next start."""
+def source_stamp(source: Path) -> str:
+    """What changes when ``source`` (a GGUF file, or a folder of safetensors) is written again: the size and mtime
+    of the file, or of each of the folder's weight files."""
+    files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
-    def __init__(self, gguf: Path, root: Path, layout: str) -> None:
-        self.source = gguf.resolve()
-        stat = self.source.stat()
+
+class PanelCache:
+    """The panels of ``source``'s weights as this build packs them: mapped where a whole cache file exists, else
+    packed and, once all are (``finish``), written for the next start."""
+
+    def __init__(self, source: Path, root: Path, layout: str) -> None:
+        self.source = source.resolve()
+        self.stamp = source_stamp(self.source)
         self.folder = root / "panels"
-        self.prefix = f"{gguf.stem}-{_digest(str(self.source))[:8]}"
-        key = _digest(f"{CACHE_VERSION}:{self.source}:{stat.st_size}:{stat.st_mtime_ns}:{layout}")[:16]
+        name = self.source.name if self.source.is_dir() else self.source.stem
+        self.prefix = f"{name}-{_digest(str(self.source))[:8]}"
+        key = _digest(f"{CACHE_VERSION}:{self.source}:{self.stamp}:{layout}")[:16]
         self.data_path = self.folder / f"{self.prefix}-{key}.bin"
         self.index_path = self.folder / f"{self.prefix}-{key}.json"
         self._mapping: mmap.mmap | None = None
@@ -98,28 +120,34 @@ class PanelCache:
                 mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError, KeyError, TypeError):
             return
-        started = time.monotonic()
-        # read from the disk, its pages come in as 2 MiB folios; and the one read now rather than in the first steps
-        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), MADV_POPULATE_READ):
-            try:
-                mapping.madvise(advice)
-            except (OSError, TypeError):
-                pass  # advice only (Linux's; MADV_POPULATE_READ is 5.14's): the pages fault in as they are read
+        _advise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))  # read from the disk, its pages come in as 2 MiB folios
         self._mapping, self._entries = mapping, entries
-        logger.info("panels of %s mapped from %s: %.0f MiB in %.1f s", self.source.name, self.data_path,
-                    size / 2**20, time.monotonic() - started)
+        logger.info("panels of %s mapped from %s: %.0f MiB", self.source.name, self.data_path, size / 2**20)
 
     def pack(self, weight: FileBlocks, pack: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``weight``'s panels: the cache file's, where it holds them, else ``pack()``'s."""
         positions = weight.file_positions()
         if positions is None:  # not known to come from the file: packed, not cached
             return pack()
-        name = _digest(f"{weight.type_id}:{weight.in_features}:".encode() + positions.numpy().tobytes())
-        panels = self._mapped(self._entries.get(name))
+        return self._entry(_digest(f"{weight.type_id}:{weight.in_features}:".encode() + positions.numpy().tobytes()),
+                           pack)
+
+    def pack_dense(self, name: str, weight: torch.Tensor,
+                   pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
+        """The panels ``pack(weight)`` makes of module ``name``'s dense weight: the cache file's, where it holds
+        them, else ``pack``'s (None, where it makes none, is neither cached nor returned from the cache)."""
+        how = getattr(pack, "__qualname__", None) or repr(pack)
+        key = _digest(f"dense:{name}:{list(weight.shape)}:{weight.dtype}:{getattr(pack, '__module__', '')}.{how}")
+        return self._entry(key, partial(pack, weight))
+
+    def _entry(self, key: str, pack: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        panels = self._mapped(self._entries.get(key))
         if panels is None:
             panels = pack()
+            if panels is None:
+                return None
             self._packed += 1
-        self._used[name] = panels
+        self._used[key] = panels
         return panels
 
     def _mapped(self, entry: dict | None) -> torch.Tensor | None:
@@ -130,9 +158,13 @@ class PanelCache:
             dtype, shape = getattr(torch, entry["dtype"]), torch.Size(entry["shape"])
             count = shape.numel() * dtype.itemsize
             panels = torch.frombuffer(self._mapping, dtype=torch.uint8, count=count, offset=entry["offset"])
-            return panels.view(dtype).view(shape)
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
             return None
+        # its pages read in now rather than in the first steps; one entry at a time, as the weight it replaces is let
+        # go (a checkpoint's dense weights are all loaded before they are packed: the whole file populated at once
+        # held them and the mapping together, 0.8 GiB over the packed start's peak for a 1B bfloat16 model)
+        _advise(self._mapping, MADV_POPULATE_READ, entry["offset"], count)
+        return panels.view(dtype).view(shape)
 
     def finish(self) -> None:
         """Once every weight is packed: write the cache file where this start packed any, or used other entries
@@ -171,7 +203,8 @@ class PanelCache:
                     f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
                     offset += _aligned(panels.nbytes)
             os.replace(tmp, self.data_path)
-            index = {"version": CACHE_VERSION, "source": str(self.source), "bytes": offset, "entries": entries}
+            index = {"version": CACHE_VERSION, "source": str(self.source), "stamp": self.stamp, "bytes": offset,
+                     "entries": entries}
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(index, f)
@@ -189,15 +222,16 @@ class PanelCache:
                 tmp.unlink(missing_ok=True)
 
     def _prune(self) -> None:
-        """Remove the other cache files of this GGUF file, and those whose GGUF file is gone or changed since."""
+        """Remove the other cache files of this source, and those whose source is gone or changed since."""
         for index_path in self.folder.glob("*.json"):
             if index_path == self.index_path or index_path.name.startswith("."):  # (another's, being written)
                 continue
             data_path = index_path.with_suffix(".bin")
             try:
-                source = Path(json.loads(index_path.read_text())["source"])
+                index = json.loads(index_path.read_text())
+                source = Path(index["source"])
                 stale = index_path.name.startswith(self.prefix + "-") or not source.exists() \
-                    or source.stat().st_mtime > data_path.stat().st_mtime
+                    or index["stamp"] != source_stamp(source)
             except (OSError, ValueError, KeyError):
                 stale = True
             if stale:

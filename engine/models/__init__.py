@@ -68,7 +68,7 @@ def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, b
         for layer in model.layers:
             layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = all_reduce
     model.eval()
-    backend.prepare(model, files.gguf if shard is None else None)
+    backend.prepare(model, files.source if shard is None else None)
     return model
 
 

@@ -157,10 +157,16 @@ def panel_width() -> int:
 
 
 def panel_layout() -> str:
-    """A name for the layout ``pack_gguf_rows`` writes: the build's (its sources, compiler and CPU, ``_build``) and
-    the shapes ``blocks.py`` gives the panels. Equal names, the same panels from the same blocks."""
-    shapes = hashlib.sha256(Path(blocks.__file__).read_bytes()).hexdigest()[:16]
-    return f"{Path(_library()._name).stem}-{shapes}"
+    """A name for the layouts the packing functions here write (``pack_gguf_rows``, ``pack_weight_compact``,
+    ``pack_weight_bf16c`` ...): the build's (its sources, compiler and CPU, ``_build``), the Python that shapes
+    panels (``blocks.py`` and this module) and the switches that turn a kind of panel off. Equal names, the same
+    panels from the same weights."""
+    code = hashlib.sha256(Path(blocks.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
+    switches = "".join("0" if os.environ.get(f"HARPOON_CPU_{kind}", "1") == "0" else "1" for kind in PANEL_SWITCHES)
+    return f"{Path(_library()._name).stem}-{code}-{switches}"
+
+
+PANEL_SWITCHES = ("Q4", "Q8", "BF16")  # HARPOON_CPU_<kind>=0 keeps such weights out of that kind of panel
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
