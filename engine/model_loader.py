@@ -264,9 +264,44 @@ def set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf_path: Path,
 
 
 def load_config(files: ModelFiles) -> PretrainedConfig:
+    """The model's config as transformers resolves it, its family's defaults filled in. The first start keeps the
+    resolved values (``resolved_config_path``); later starts read them back into a plain ``PretrainedConfig``.
+    Why: a family's config class imports transformers' kernel hub and ``torch.distributed.tensor``, 1.0-1.2 s of
+    every engine process's start (py-spy, 2026-11-30), for values its ``to_dict()`` holds."""
+    from transformers import PretrainedConfig
+
+    kept = resolved_config_path(files)
+    if kept is not None and kept.exists():
+        try:
+            return PretrainedConfig.from_dict(json.loads(kept.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass  # cut short or unreadable: resolved again below
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(files.path)
+    config = AutoConfig.from_pretrained(files.path)
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(config.to_json_string(use_diff=False))
+            os.replace(tmp, kept)  # whole or not at all
+        except OSError as e:
+            logger.info("resolved config not kept in %s: %s", kept.parent, e)
+    return config
+
+
+def resolved_config_path(files: ModelFiles) -> Path | None:
+    """Where ``load_config`` keeps the model's resolved config: named by its config.json's bytes and transformers'
+    version, so an edited config or another release resolves anew. None where the folder has no config.json."""
+    from transformers import __version__
+
+    try:
+        source = (files.path / "config.json").read_bytes()
+    except OSError:
+        return None
+    key = hashlib.sha256(source + b"\0" + __version__.encode()).hexdigest()[:24]
+    return cache_root() / "configs" / f"{key}.json"
 
 
 def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:

@@ -1,19 +1,22 @@
-"""The default model's GGUF file is the authority for its special tokens, whatever transformers' converter says."""
+"""Where a model's files are read from: the default model's GGUF file is the authority for its special tokens,
+whatever transformers' converter says; a config resolved once is read back as it was."""
 
 import dataclasses
 import json
 import shutil
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PretrainedConfig
 
 from engine.model_loader import (
+    ModelFiles,
     _write_folder,
     default_gguf_path,
     eos_token_ids,
     load_config,
     load_tokenizer,
     resolve_model,
+    resolved_config_path,
     set_gguf_special_tokens,
     tokenizer_eos_id,
 )
@@ -108,3 +111,37 @@ def test_a_gguf_files_metadata_is_parsed_once_into_the_folder_transformers_alone
     names = sorted(p.name for p in shared.iterdir())
     assert names == sorted(p.name for p in alone.iterdir()) and "tokenizer.json" in names
     assert all((shared / n).read_bytes() == (alone / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "llama-mha-untied-llama3-rope", "mistral", "qwen2-bias",
+                                  "qwen3-qknorm"])
+def test_a_resolved_config_is_read_back_with_every_value_its_family_class_gave(tiny_model, tmp_path, monkeypatch,
+                                                                                kind):
+    """Every family's defaults (head_dim, RoPE parameters, layer types, ...) come back from the kept values, in a
+    plain PretrainedConfig, whose import leaves out the family classes' (1.0-1.2 s of an engine's start)."""
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    files = ModelFiles(tiny_model(kind), kind)
+    resolved = load_config(files)
+    assert type(resolved) is not PretrainedConfig and resolved_config_path(files).exists()
+    kept = load_config(files)
+    assert type(kept) is PretrainedConfig
+    differ = {k for k in vars(resolved).keys() | vars(kept).keys() if vars(resolved).get(k) != vars(kept).get(k)}
+    assert differ <= {"use_cache", "transformers_version"}  # neither is read by the engine
+
+
+def test_an_edited_or_cut_short_config_is_resolved_anew(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("llama-gqa-tied"), folder)
+    files = ModelFiles(folder, "m")
+    load_config(files)
+    kept = resolved_config_path(files)
+    kept.write_text(kept.read_text()[:40])  # cut short
+    assert type(load_config(files)) is not PretrainedConfig  # resolved again, and kept whole again
+    assert type(load_config(files)) is PretrainedConfig
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (folder / "config.json").write_text(json.dumps(config))
+    assert resolved_config_path(files) != kept
+    edited = load_config(files)
+    assert type(edited) is not PretrainedConfig and edited.rms_norm_eps == 1e-3
