@@ -145,3 +145,21 @@ def test_an_edited_or_cut_short_config_is_resolved_anew(tiny_model, tmp_path, mo
     assert resolved_config_path(files) != kept
     edited = load_config(files)
     assert type(edited) is not PretrainedConfig and edited.rms_norm_eps == 1e-3
+
+
+@pytest.mark.parametrize("kind", ["default", "llama-gqa-tied", "mistral", "qwen2-bias", "qwen3-qknorm"])
+def test_the_tokenizer_given_the_kept_config_is_the_one_transformers_builds_alone(tiny_model, tmp_path, monkeypatch,
+                                                                                 kind):
+    files = resolve_model(None) if kind == "default" else ModelFiles(tiny_model(kind), kind)
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    load_config(files)  # kept: the tokenizer is given the plain PretrainedConfig
+    ours, alone = load_tokenizer(files), AutoTokenizer.from_pretrained(files.path)
+    assert type(load_config(files)) is PretrainedConfig and type(ours) is type(alone)
+    assert ours.get_vocab() == alone.get_vocab() and ours.chat_template == alone.chat_template
+    assert ours.special_tokens_map == alone.special_tokens_map
+    assert ours.added_tokens_decoder == alone.added_tokens_decoder
+    text = "Hello <|im_start|>world</s> 1969, naïve café: ∑ x²\n\n"
+    assert ours(text).input_ids == alone(text).input_ids
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == alone.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
