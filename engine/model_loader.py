@@ -305,12 +305,20 @@ def resolved_config_path(files: ModelFiles) -> Path | None:
 
 
 def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, given the config ``load_config`` resolves: without it, ``AutoTokenizer`` resolves the
-    config through the family's class itself, and the API process spent ~0.9 s of its start on those imports while
-    the engine process started beside it on the same cores."""
+    """The model's tokenizer, given the config ``load_config`` resolves where its tokenizer_config.json names the
+    tokenizer's class: without it, ``AutoTokenizer`` resolves the config through the family's class itself, and the
+    API process spent ~0.9 s of its start on those imports while the engine process started beside it on the same
+    cores. NOTE: only where the class is named and no code of the model's own is (``auto_map``): else
+    ``AutoTokenizer`` weighs the config's class, which a plain ``PretrainedConfig`` is not (a Qwen2 folder got a
+    ``TokenizersBackend`` instead of a ``Qwen2Tokenizer``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(files.path, config=load_config(files))
+    try:
+        settings = json.loads((files.path / "tokenizer_config.json").read_text())
+        named = settings.get("tokenizer_class") and "auto_map" not in settings
+    except (OSError, ValueError, AttributeError):
+        named = False
+    return AutoTokenizer.from_pretrained(files.path, **({"config": load_config(files)} if named else {}))
 
 
 def iter_weights(files: ModelFiles, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

@@ -147,11 +147,22 @@ def test_an_edited_or_cut_short_config_is_resolved_anew(tiny_model, tmp_path, mo
     assert type(edited) is not PretrainedConfig and edited.rms_norm_eps == 1e-3
 
 
-@pytest.mark.parametrize("kind", ["default", "llama-gqa-tied", "mistral", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("kind", ["default", "llama-gqa-tied", "mistral", "qwen2-bias", "qwen3-qknorm", "unnamed"])
 def test_the_tokenizer_given_the_kept_config_is_the_one_transformers_builds_alone(tiny_model, tmp_path, monkeypatch,
                                                                                  kind):
-    files = resolve_model(None) if kind == "default" else ModelFiles(tiny_model(kind), kind)
-    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    """"unnamed": a tokenizer_config.json that names no tokenizer class, which AutoTokenizer then picks by the
+    config's class: that one is not given the plain config."""
+    if kind == "default":
+        files = resolve_model(None)
+    elif kind == "unnamed":
+        shutil.copytree(tiny_model("qwen2-bias"), tmp_path / "model")
+        settings = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+        del settings["tokenizer_class"]
+        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(settings))
+        files = ModelFiles(tmp_path / "model", kind)
+    else:
+        files = ModelFiles(tiny_model(kind), kind)
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "cache"))
     load_config(files)  # kept: the tokenizer is given the plain PretrainedConfig
     ours, alone = load_tokenizer(files), AutoTokenizer.from_pretrained(files.path)
     assert type(load_config(files)) is PretrainedConfig and type(ours) is type(alone)
