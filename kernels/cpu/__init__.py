@@ -162,11 +162,12 @@ def panel_layout() -> str:
     panels (``blocks.py`` and this module) and the switches that turn a kind of panel off. Equal names, the same
     panels from the same weights."""
     code = hashlib.sha256(Path(blocks.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
-    switches = "".join("0" if os.environ.get(f"HARPOON_CPU_{kind}", "1") == "0" else "1" for kind in PANEL_SWITCHES)
+    switches = "".join(str(int(on())) for on in (blocks.q4_enabled, blocks.q8_enabled, bf16_panels_enabled))
     return f"{Path(_library()._name).stem}-{code}-{switches}"
 
 
-PANEL_SWITCHES = ("Q4", "Q8", "BF16")  # HARPOON_CPU_<kind>=0 keeps such weights out of that kind of panel
+def bf16_panels_enabled() -> bool:
+    return os.environ.get("HARPOON_CPU_BF16", "1") != "0"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -299,7 +300,7 @@ def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
     if packed is not None:
         return packed
     full = pack_weight(weight)
-    if (os.environ.get("HARPOON_CPU_BF16", "1") != "0" and weight.shape[1] % 2 == 0
+    if (bf16_panels_enabled() and weight.shape[1] % 2 == 0
             and not (weight.contiguous().view(torch.int32) & 0xFFFF).any()):
         high = (full.view(torch.int32) >> 16).to(torch.int16)  # the bf16 values, bit for bit
         panels, k, width = high.shape  # each two consecutive k of a column side by side, as ops.c reads them

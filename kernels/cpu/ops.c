@@ -170,7 +170,8 @@ int hp_panel_width(void) { return NR; }
 
 /* packed [ceil(N / width), K, width] = w [N, K] by panels of width columns, zero past column N: 32-bit words moved
  * as bits, so fp32 weights or two bfloat16 (k, k + 1) a word, the BF16C and BF16A layouts. Why in C: torch's copy
- * of the same transposed view packed 0.6-0.7 GB/s, 3.7 s of a 1B bfloat16 model's start. */
+ * of the same transposed view packed 0.6-0.7 GB/s in a warm process, this loop 2.1-2.6 (in a fresh one the first
+ * writes to the panels' fresh pages then take most of the time). */
 void hp_pack_words(const uint32_t *w, uint32_t *packed, int N, int K, int width) {
     int panels = (N + width - 1) / width;
 #pragma omp parallel for schedule(dynamic, 1)
