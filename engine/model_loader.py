@@ -271,24 +271,34 @@ def load_config(files: ModelFiles) -> PretrainedConfig:
     from transformers import PretrainedConfig
 
     kept = resolved_config_path(files)
-    if kept is not None and kept.exists():
+    if kept is not None:
         try:
             return PretrainedConfig.from_dict(json.loads(kept.read_text()))
         except (OSError, ValueError, TypeError):
-            pass  # cut short or unreadable: resolved again below
+            pass  # not kept yet, cut short or unreadable: resolved below
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(files.path)
     if kept is not None:
-        try:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(config.to_json_string(use_diff=False))
-            os.replace(tmp, kept)  # whole or not at all
-        except OSError as e:
-            logger.info("resolved config not kept in %s: %s", kept.parent, e)
+        _keep_config(config, kept)
     return config
+
+
+def _keep_config(config: PretrainedConfig, kept: Path) -> None:
+    """Write ``config``'s values to ``kept`` whole or not at all (beside it, then renamed); a failure only logs."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".tmp-", suffix=".json")
+    except OSError as e:
+        logger.info("resolved config not kept in %s: %s", kept.parent, e)
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(config.to_json_string(use_diff=False))
+        os.replace(tmp, kept)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        logger.info("resolved config not kept in %s: %s", kept.parent, e)
 
 
 def resolved_config_path(files: ModelFiles) -> Path | None:

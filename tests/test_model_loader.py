@@ -129,6 +129,18 @@ def test_a_resolved_config_is_read_back_with_every_value_its_family_class_gave(t
     assert differ <= {"use_cache", "transformers_version"}  # neither is read by the engine
 
 
+def test_a_config_that_cannot_be_kept_is_served_and_leaves_no_half_written_file(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HARPOON_CACHE", str(tmp_path))
+    files = ModelFiles(tiny_model("llama-gqa-tied"), "m")
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("engine.model_loader.os.replace", full_disk)
+    assert load_config(files).hidden_size == 64
+    assert list((tmp_path / "configs").iterdir()) == []
+
+
 def test_an_edited_or_cut_short_config_is_resolved_anew(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("HARPOON_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"
