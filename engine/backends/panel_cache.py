@@ -81,7 +81,7 @@ def source_stamp(source: Path) -> str:
     """What changes when ``source`` (a GGUF file, or a folder of safetensors) is written again: the size and mtime
     of the file, or of each of the folder's weight files."""
     files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
-    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in files for st in [f.stat()])
 
 
 class PanelCache:
