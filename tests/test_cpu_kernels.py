@@ -10,7 +10,7 @@ import torch
 
 from engine.models.llama import RMSNorm
 from engine.models.rotary import _rotate_half
-from kernels import cpu
+from kernels import cpu, kv_int8
 from kernels.reference import ref_decode_attention
 from tests.test_kernels import make_cache
 
@@ -71,6 +71,39 @@ def test_decode_attention_with_peaked_scores():
     out = torch.empty_like(q)
     cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out)
     ref = ref_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.125)
+    assert torch.allclose(out.double(), ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("chunk,start", [(1, 0), (7, 0), (9, 15), (20, 250), (40, 3)])
+def test_prompt_chunk_queries_give_the_bits_they_give_alone(kv_dtype, block_size, chunk, start):
+    """A prompt chunk's tokens ride along as decode queries (the one-call decoder), each with its request's block
+    table: the kernel takes consecutive ones together, each cache block loaded once for all of them. Each query must
+    come out with the bits it has when no neighbour shares its loads (the same batch reversed: no token then
+    continues the one before it). A second request's chunk follows the first's with contexts that keep counting up
+    (its block table differs), and from position 250 the chunk crosses a 256-position split: queries of one run
+    reach different numbers of chunks."""
+    prompt_a, prompt_b = list(range(start + 1, start + chunk + 1)), list(range(start + chunk + 1, start + chunk + 6))
+    seq_lens = [5, 300, 17, *prompt_a, *prompt_b]  # 3 decodes, then the two chunks
+    k_cache, v_cache, tables = make_cache([5, 300, 17, start + chunk, start + chunk + 5], 2, 64, block_size,
+                                          torch.float32, seed=chunk + start)
+    if kv_dtype == torch.int8:  # a pool of int8 rows and their scales, of the same values (no NaN filler)
+        k_cache, v_cache = (kv_int8.to_pool(c.nan_to_num(), torch.int8) for c in (k_cache, v_cache))
+    else:
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    tables = torch.cat([tables[:3], tables[3:4].expand(chunk, -1), tables[4:5].expand(5, -1)]).contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), 6, 64, generator=torch.Generator().manual_seed(4))
+    out = torch.full_like(q, float("nan"))
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out)
+    back = torch.arange(len(seq_lens) - 1, -1, -1)
+    alone = torch.full_like(q, float("nan"))
+    cpu.paged_decode_attention(q[back].contiguous(), k_cache, v_cache, tables[back].contiguous(),
+                               lens[back].contiguous(), 0.125, alone)
+    assert torch.equal(out.view(torch.int32), alone[back].view(torch.int32))
+    keys, values = (kv_int8.read(c, torch.float64) for c in (k_cache, v_cache))
+    ref = ref_decode_attention(q.double(), keys, values, tables, lens, 0.125)
     assert torch.allclose(out.double(), ref, atol=2e-5)
 
 

@@ -1747,85 +1747,114 @@ static inline __attribute__((always_inline)) void value_tile(const int D, const 
 }
 #undef VALUE_TILE
 
-/* One (sequence, chunk) of decode attention, every head: scores of each query head against len cached
- * positions, then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V.
- * The loops go block by block and, inside a block, KV head by KV head, the query heads of its group a few at a
- * time (score_tile, value_tile), so each cache row (all KV heads of a position, contiguous) is read whole while it
- * is in cache, and each of its vectors once per tile of query heads. NOTE: reading one head's 256 bytes out of every
- * 768-byte row (a task per KV head) ran at a third of the memory bandwidth on the development machines (~10 GB/s of
- * used bytes vs ~30), as the lines in between were fetched anyway. Sharing each K and V vector across the heads of
- * a group took the hot attention from one load per FMA (load-bound) to ~3 FMAs per load. Inlined with a constant
- * head_dim (64, 128). */
+/* Queries a task of decode attention takes at most: a prompt chunk's consecutive tokens over the same block table
+ * share each cache block's loads (one sequence, each token's context one position longer than the one before).
+ * NOTE: a prompt token rides along as a decode query over its prefix (decoder.c); one at a time, each read the
+ * whole prefix from memory again, though its arithmetic is that of a decode. Runs of up to 8 took 32% / 36% / 42%
+ * off a 64-client step's attention (54 decodes of 192 positions and 54 prompt tokens from position 64; int8,
+ * bfloat16 and fp32 pools), 4 a little less, 16 less (its last tasks ran long on one thread); decodes alone the
+ * same (Xeon with AMX, python -m loadtest.lab.kernel_ab --prompt 54@64). */
+#ifndef HP_ATT_QUERIES
+#define HP_ATT_QUERIES 8
+#endif
+
+/* One chunk of decode attention for n queries of one sequence (a decode: n = 1), every head: scores of each query
+ * head against its len[m] cached positions of the chunk, then exp and sum (kept unnormalised with their max, for
+ * the merge), then the weighted sum of V into mine[m]. Query m's heads are at q + m q_stride, its scores at
+ * scores + m num_heads split; a query with len[m] <= 0 does not reach the chunk. The loops go block by block and,
+ * inside a block, query by query and KV head by KV head, the query heads of its group a few at a time (score_tile,
+ * value_tile), so each cache row (all KV heads of a position, contiguous) is read whole while it is in cache, each
+ * of its vectors once per tile of query heads, and the block stays in L1 for every query of the task. Each query's
+ * sums run in the order they run for it alone, so its bits do not depend on the other queries. NOTE: reading one
+ * head's 256 bytes out of every 768-byte row (a task per KV head) ran at a third of the memory bandwidth on the
+ * development machines (~10 GB/s of used bytes vs ~30), as the lines in between were fetched anyway. Sharing each K
+ * and V vector across the heads of a group took the hot attention from one load per FMA (load-bound) to ~3 FMAs per
+ * load. Inlined with a constant head_dim (64, 128). */
 static inline __attribute__((always_inline)) void attend_chunk_d(
-    const int D, int num_kv_heads, int group, const float *q, const void *k_cache, const void *v_cache,
-    const int32_t *table, int block_size, int len, float scale, float *scores, int split, float *mine,
-    const int kv_format) {
+    const int D, int num_kv_heads, int group, int n, const float *q, int64_t q_stride, const void *k_cache,
+    const void *v_cache, const int32_t *table, int block_size, const int *len, float scale, float *scores, int split,
+    float *const *mine, const int kv_format) {
     const int num_heads = num_kv_heads * group, tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT);
     const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb; /* bytes of a head's row, a position's */
-    const int64_t block_bytes = block_size * row;
-    const int last = (len - 1) / block_size;
-    for (int p0 = 0; p0 < len; p0 += block_size) {
-        int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
-        const char *kb = fetch_block(k_cache, table, p0, end, block_size, row);
+    const int64_t block_bytes = block_size * row, per_query = (int64_t)num_heads * split;
+    int longest = 0, reach = 0; /* positions the chunk's queries reach; the queries that reach any */
+    for (int m = 0; m < n; m++) longest = len[m] > longest ? len[m] : longest, reach += len[m] > 0;
+    if (longest <= 0) return;
+    const int last = (longest - 1) / block_size;
+    for (int p0 = 0; p0 < longest; p0 += block_size) {
+        const int top = p0 + block_size < longest ? p0 + block_size : longest, b = p0 / block_size;
+        const char *kb = fetch_block(k_cache, table, p0, top, block_size, row);
         const char *next = block_after(k_cache, table, b, last, block_bytes); /* after K's last block, V's first */
         struct trickle t = trickle_of(next ? next : (const char *)v_cache + table[0] * block_bytes, block_bytes,
-                                      tiles * ((end - p0 + 7) / 8));
-        for (int h = 0; h < num_kv_heads; h++)
-            for (int g0 = 0; g0 < group; g0 += ATT_GT) {
-                const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
-                const float *qg = q + (int64_t)(h * group + g0) * D;
-                float *sg = scores + (int64_t)(h * group + g0) * split;
-                int p = p0;
-                for (; p + 8 <= end; p += 8) {
-                    trickle_some(&t);
-                    if (G == ATT_GT) /* a constant: no test of G in the loops */
-                        score_tile(D, ATT_GT, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
-                    else
-                        score_tile(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
+                                      reach * tiles * ((top - p0 + 7) / 8));
+        for (int m = 0; m < n; m++) {
+            if (len[m] <= p0) continue;
+            const int end = p0 + block_size < len[m] ? p0 + block_size : len[m];
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int g0 = 0; g0 < group; g0 += ATT_GT) {
+                    const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
+                    const float *qg = q + m * q_stride + (int64_t)(h * group + g0) * D;
+                    float *sg = scores + m * per_query + (int64_t)(h * group + g0) * split;
+                    int p = p0;
+                    for (; p + 8 <= end; p += 8) {
+                        trickle_some(&t);
+                        if (G == ATT_GT) /* a constant: no test of G in the loops */
+                            score_tile(D, ATT_GT, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale,
+                                       kv_format);
+                        else
+                            score_tile(D, G, qg, kb + (p - p0) * row + h * hb, row, sg + p, split, scale, kv_format);
+                    }
+                    for (; p < end; p++) {
+                        const char *k = kb + (p - p0) * row + h * hb;
+                        const float s = kv_format == HP_KV_I8 ? kv_scale(k, D, kv_format) * scale : scale;
+                        for (int g = 0; g < G; g++) sg[g * split + p] = dot_kv(qg + g * D, k, D, kv_format) * s;
+                    }
                 }
-                for (; p < end; p++) {
-                    const char *k = kb + (p - p0) * row + h * hb;
-                    const float s = kv_format == HP_KV_I8 ? kv_scale(k, D, kv_format) * scale : scale;
-                    for (int g = 0; g < G; g++) sg[g * split + p] = dot_kv(qg + g * D, k, D, kv_format) * s;
-                }
-            }
+        }
         trickle_rest(&t);
     }
-    for (int hg = 0; hg < num_heads; hg++) {
-        float *sg = scores + (int64_t)hg * split, mx = max_of(sg, len), *stats = mine + hg * (D + 2);
-        stats[0] = mx;
-        stats[1] = exp_sub_sum(sg, len, mx);
-        memset(stats + 2, 0, sizeof(float) * D);
-    }
-    for (int p0 = 0; p0 < len; p0 += block_size) {
-        int end = p0 + block_size < len ? p0 + block_size : len, b = p0 / block_size;
-        const char *vb = fetch_block(v_cache, table, p0, end, block_size, row);
+    for (int m = 0; m < n; m++)
+        for (int hg = 0; len[m] > 0 && hg < num_heads; hg++) {
+            float *sg = scores + m * per_query + (int64_t)hg * split, mx = max_of(sg, len[m]);
+            float *stats = mine[m] + hg * (D + 2);
+            stats[0] = mx;
+            stats[1] = exp_sub_sum(sg, len[m], mx);
+            memset(stats + 2, 0, sizeof(float) * D);
+        }
+    for (int p0 = 0; p0 < longest; p0 += block_size) {
+        const int top = p0 + block_size < longest ? p0 + block_size : longest, b = p0 / block_size;
+        const char *vb = fetch_block(v_cache, table, p0, top, block_size, row);
         struct trickle t = trickle_of(block_after(v_cache, table, b, last, block_bytes), block_bytes,
-                                      tiles * ((D + 63) / 64));
-        for (int h = 0; h < num_kv_heads; h++)
-            for (int g0 = 0; g0 < group; g0 += ATT_GT) {
-                const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
-                for (int d0 = 0; d0 < D; d0 += 64) { /* 64 dims (8 vectors) a tile, or what remains of the head */
-                    trickle_some(&t);
-                    const int DV = D - d0 < 64 ? (D - d0) / 8 : 8;
-                    const float *sv = scores + (int64_t)hg * split + p0;
-                    float *o = mine + hg * (D + 2) + 2 + d0;
-                    if (G == ATT_GT)
-                        value_tile(D, DV, d0, ATT_GT, sv, split, vb + h * hb, row, end - p0, o, D + 2, kv_format);
-                    else
-                        value_tile(D, DV, d0, G, sv, split, vb + h * hb, row, end - p0, o, D + 2, kv_format);
+                                      reach * tiles * ((D + 63) / 64));
+        for (int m = 0; m < n; m++) {
+            if (len[m] <= p0) continue;
+            const int end = p0 + block_size < len[m] ? p0 + block_size : len[m];
+            for (int h = 0; h < num_kv_heads; h++)
+                for (int g0 = 0; g0 < group; g0 += ATT_GT) {
+                    const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
+                    for (int d0 = 0; d0 < D; d0 += 64) { /* 64 dims (8 vectors) a tile, or what remains of the head */
+                        trickle_some(&t);
+                        const int DV = D - d0 < 64 ? (D - d0) / 8 : 8;
+                        const float *sv = scores + m * per_query + (int64_t)hg * split + p0;
+                        float *o = mine[m] + hg * (D + 2) + 2 + d0;
+                        if (G == ATT_GT)
+                            value_tile(D, DV, d0, ATT_GT, sv, split, vb + h * hb, row, end - p0, o, D + 2,
+                                       kv_format);
+                        else
+                            value_tile(D, DV, d0, G, sv, split, vb + h * hb, row, end - p0, o, D + 2, kv_format);
+                    }
                 }
-            }
+        }
         trickle_rest(&t);
     }
 }
 
-static void attend_chunk(int head_dim, int num_kv_heads, int group, const float *q, const void *k_cache,
-                         const void *v_cache, const int32_t *table, int block_size, int len, float scale,
-                         float *scores, int split, float *mine, int kv_format) {
+static void attend_chunk(int head_dim, int num_kv_heads, int group, int n, const float *q, int64_t q_stride,
+                         const void *k_cache, const void *v_cache, const int32_t *table, int block_size,
+                         const int *len, float scale, float *scores, int split, float *const *mine, int kv_format) {
 #define ATTEND_D(D, FORMAT)                                                                                        \
-    attend_chunk_d(D, num_kv_heads, group, q, k_cache, v_cache, table, block_size, len, scale, scores, split, mine, \
-                   FORMAT)
+    attend_chunk_d(D, num_kv_heads, group, n, q, q_stride, k_cache, v_cache, table, block_size, len, scale, scores, \
+                   split, mine, FORMAT)
 #define ATTEND(FORMAT)                                                                                             \
     (head_dim == 64 ? ATTEND_D(64, FORMAT) : head_dim == 128 ? ATTEND_D(128, FORMAT) : ATTEND_D(head_dim, FORMAT))
     if (kv_format == HP_KV_BF16)
@@ -1838,15 +1867,29 @@ static void attend_chunk(int head_dim, int num_kv_heads, int group, const float 
 #undef ATTEND_D
 }
 
+/* Whether token t's query continues the run of queries that token `lead` starts: its context one position longer
+ * than token t - 1's, over the blocks of lead's table (the one every query of the run reads). */
+static int continues(const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int t, int lead,
+                     int block_size) {
+    if (seq_lens[t] != seq_lens[t - 1] + 1) return 0;
+    const int blocks = (seq_lens[t] + block_size - 1) / block_size;
+    return memcmp(tables + t * table_stride, tables + lead * table_stride, sizeof(int32_t) * blocks) == 0;
+}
+
 /* Attention of one query token per sequence over its paged context, for a whole batch of decodes.
  *   q:      [num_seqs, num_heads, head_dim] (token stride q_stride)
  *   cache:  [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, of the type kv_format names
  *   tables: [num_seqs, table_stride] int32 block ids; seq_lens: [num_seqs] int32 context lengths
  *   out:    [num_seqs, num_heads, head_dim] (token stride out_stride)
- * A task is one (sequence, chunk of up to `split` positions) with all its heads. Long contexts split into chunks
- * keep both cores busy even for one sequence; each chunk keeps its max and sum per head, and a second pass merges
- * the chunks (split-KV, as the Triton kernel does). Within a chunk the softmax is exact: scores kept, max
- * subtracted. Small batches get short chunks, so even a single sequence makes enough tasks for every thread. */
+ * A task is one chunk of up to `split` positions of a run of queries (a decode alone, or up to HP_ATT_QUERIES
+ * consecutive tokens of a prompt chunk), with all their heads. Long contexts split into chunks keep both cores busy
+ * even for one sequence; each chunk keeps its max and sum per head, and a second pass merges the chunks (split-KV,
+ * as the Triton kernel does). Within a chunk the softmax is exact: scores kept, max subtracted. Small batches get
+ * short chunks, so even a single sequence makes enough tasks for every thread.
+ *
+ *     tokens    t0 t1 t2 t3 | t4 t5 t6 t7       (t3..t7 one prompt chunk: contexts 97, 98, ..., 101)
+ *     runs      t0 t1 t2 t3..t7                  (run = tokens sharing each block's loads)
+ *     tasks     (run, chunk of positions 0..255), (run, 256..511), ...; a query's chunks: those its context reaches */
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                                int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
@@ -1854,28 +1897,44 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
     int group = num_heads / num_kv_heads;
     int split = num_seqs >= 8 ? 256 : 64;
     split = (split + block_size - 1) / block_size * block_size; /* chunks start on block boundaries */
-    /* first chunk of each sequence, so task c finds its sequence */
-    int *chunk0 = malloc(sizeof(int) * (num_seqs + 1));
-    chunk0[0] = 0;
-    for (int s = 0; s < num_seqs; s++) chunk0[s + 1] = chunk0[s] + (seq_lens[s] + split - 1) / split;
-    int num_chunks = chunk0[num_seqs];
+    /* first chunk of each sequence (its partials' index), and the runs of queries: run r is tokens
+     * run0[r] .. run0[r + 1] - 1, its tasks task0[r] .. task0[r + 1] - 1 (the last token's chunks) */
+    int *chunk0 = malloc(sizeof(int) * (num_seqs + 1)), *run0 = malloc(sizeof(int) * (num_seqs + 1));
+    int *task0 = malloc(sizeof(int) * (num_seqs + 1)), runs = 0;
+    chunk0[0] = 0, task0[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        chunk0[s + 1] = chunk0[s] + (seq_lens[s] + split - 1) / split;
+        if (s == 0 || s - run0[runs - 1] >= HP_ATT_QUERIES ||
+            !continues(tables, table_stride, seq_lens, s, run0[runs - 1], block_size))
+            run0[runs++] = s;
+    }
+    run0[runs] = num_seqs;
+    for (int r = 0; r < runs; r++) task0[r + 1] = task0[r] + (seq_lens[run0[r + 1] - 1] + split - 1) / split;
+    int num_chunks = chunk0[num_seqs], num_tasks = task0[runs];
     /* per chunk and query head: (max, sum, acc[head_dim]) */
     int64_t part = (int64_t)num_heads * (head_dim + 2);
     float *partial = malloc(sizeof(float) * (size_t)num_chunks * part);
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * split);
-        int s = 0;
+        float *scores = malloc(sizeof(float) * (size_t)HP_ATT_QUERIES * num_heads * split);
+        int r = 0;
         /* NOTE: guided, as the products' panels: a thread's tasks in runs of consecutive ones took 2-7% off a
          * step's attention against one task at a time (dynamic, 1), at 1-64 sequences and 192-4096 positions. */
 #pragma omp for schedule(guided)
-        for (int c = 0; c < num_chunks; c++) {
-            while (chunk0[s + 1] <= c) s++;
-            while (chunk0[s] > c) s--;
-            int first = (c - chunk0[s]) * split, len = seq_lens[s] - first < split ? seq_lens[s] - first : split;
-            attend_chunk(head_dim, num_kv_heads, group, q + (int64_t)s * q_stride, k_cache, v_cache,
-                         tables + (int64_t)s * table_stride + first / block_size, block_size, len, scale, scores,
-                         split, partial + (int64_t)c * part, kv_format);
+        for (int c = 0; c < num_tasks; c++) {
+            while (task0[r + 1] <= c) r++;
+            while (task0[r] > c) r--;
+            const int s0 = run0[r], n = run0[r + 1] - s0, first = (c - task0[r]) * split;
+            int len[HP_ATT_QUERIES];
+            float *mine[HP_ATT_QUERIES];
+            for (int m = 0; m < n; m++) {
+                const int rest = seq_lens[s0 + m] - first;
+                len[m] = rest < split ? rest : split;
+                mine[m] = partial + (int64_t)(chunk0[s0 + m] + c - task0[r]) * part; /* unused where len <= 0 */
+            }
+            attend_chunk(head_dim, num_kv_heads, group, n, q + (int64_t)s0 * q_stride, q_stride, k_cache, v_cache,
+                         tables + (int64_t)s0 * table_stride + first / block_size, block_size, len, scale, scores,
+                         split, mine, kv_format);
         }
         free(scores);
         /* merge: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c */
@@ -1901,6 +1960,8 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
     }
     free(partial);
     free(chunk0);
+    free(run0);
+    free(task0);
 }
 
 /* The small per-layer operations, each one pass over its rows. Work below ~16k elements stays on the calling

@@ -197,17 +197,24 @@ class Pool:
     stream: torch.Tensor  # a layer's weights, read between two layers' calls
 
     @classmethod
-    def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator, kv_dtype: torch.dtype) -> Pool:
-        per_seq = cdiv(context, s.block_size)
-        blocks = seqs * per_seq
+    def make(cls, s: Shapes, seqs: int, context: int, gen: torch.Generator, kv_dtype: torch.dtype,
+             prompt: tuple[int, int] = (0, 0)) -> Pool:
+        """``seqs`` decodes of ``context`` positions, then ``prompt`` = (tokens, start): one more sequence's prompt
+        chunk, its tokens at positions start .. start + tokens - 1, each a query over its prefix, as the one-call
+        decoder sends a step's prompt tokens (each with its request's block table)."""
+        tokens, start = prompt
+        per_seq = max(cdiv(context, s.block_size), cdiv(start + tokens, s.block_size))
+        blocks = (seqs + (tokens > 0)) * per_seq
         shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
         k = [kv_int8.to_pool(torch.randn(shape, generator=gen), kv_dtype) for _ in range(s.layers)]
         v = [kv_int8.to_pool(torch.randn(shape, generator=gen), kv_dtype) for _ in range(s.layers)]
-        tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(seqs, per_seq)
-        q = torch.randn(seqs, s.heads * s.head_dim, generator=gen)
+        tables = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(-1, per_seq)
+        tables = torch.cat([tables[:seqs], tables[seqs:].expand(tokens, per_seq)])
+        seq_lens = torch.cat([torch.full((seqs,), context, dtype=torch.int32),
+                              torch.arange(start + 1, start + tokens + 1, dtype=torch.int32)])
+        q = torch.randn(seqs + tokens, s.heads * s.head_dim, generator=gen)
         layer_floats = sum(n * k for n, k in s.linears())
-        return cls(k, v, tables, torch.full((seqs,), context, dtype=torch.int32), q, torch.empty_like(q),
-                   torch.ones(layer_floats))
+        return cls(k, v, tables.contiguous(), seq_lens, q, torch.empty_like(q), torch.ones(layer_floats))
 
     def attention_round(self, dll: ctypes.CDLL, s: Shapes) -> float:
         spent = 0.0
@@ -253,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8,64,256", help="GEMM rows (tokens in the step)")
     p.add_argument("--seqs", default="1,4,16,64", help="decode sequences for the attention")
     p.add_argument("--context", default="192,1024", help="context lengths for the attention")
+    p.add_argument("--prompt", default="0@0", metavar="TOKENS@START",
+                   help="the attention's step also carries a prompt chunk: TOKENS queries of one more sequence at "
+                        "positions START onwards (as a step that prefills beside its decodes)")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--format", default="fp32", help=f"the weights' panels, one or more of {', '.join(FORMATS)}")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="the model whose step is timed")
@@ -276,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                 "llama-3.2-1b")
     known = {str(dtype).removeprefix("torch."): dtype for dtype in KV_FORMATS}
     kv_names = args.kv_dtype.split(",")
+    tokens, _, start = args.prompt.partition("@")
+    if not (tokens.isdigit() and start.isdigit()):
+        p.error(f"--prompt: TOKENS@START, two counts, got {args.prompt!r}")
+    prompt = (int(tokens), int(start))
     unknown = set(kv_names) - set(known)
     if unknown:
         p.error(f"--kv-dtype: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
@@ -311,12 +325,13 @@ def main(argv: list[str] | None = None) -> None:
                        interleave(runs, args.rounds), work)
         for context in map(int, args.context.split(",")):
             for seqs in map(int, args.seqs.split(",")):
-                pools = [Pool.make(s, seqs, context, gen, known[name]) for name in kv_names]
+                pools = [Pool.make(s, seqs, context, gen, known[name], prompt) for name in kv_names]
                 runs = [partial(pool.attention_round, d, s) for pool in pools for d in dlls]
                 names = [f"{v} ({name} pool)" if len(kv_names) > 1 else v for name in kv_names for v in args.variants]
                 times = interleave(runs, args.rounds)
-                report(f"decode attention of one step ({s.layers} layers), {seqs} sequences x {context} positions",
-                       names, times)
+                chunk = f", and a prompt chunk of {prompt[0]} tokens from position {prompt[1]}" if prompt[0] else ""
+                report(f"decode attention of one step ({s.layers} layers), {seqs} sequences x {context} positions"
+                       f"{chunk}", names, times)
                 del pools
 
 
