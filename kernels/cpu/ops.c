@@ -1758,43 +1758,43 @@ static inline __attribute__((always_inline)) void value_tile(const int D, const 
 #define HP_ATT_QUERIES 8
 #endif
 
-/* One chunk of decode attention for n queries of one sequence (a decode: n = 1), every head: scores of each query
- * head against its len[m] cached positions of the chunk, then exp and sum (kept unnormalised with their max, for
- * the merge), then the weighted sum of V into mine[m]. Query m's heads are at q + m q_stride, its scores at
- * scores + m num_heads split; a query with len[m] <= 0 does not reach the chunk. The loops go block by block and,
- * inside a block, query by query and KV head by KV head, the query heads of its group a few at a time (score_tile,
- * value_tile), so each cache row (all KV heads of a position, contiguous) is read whole while it is in cache, each
- * of its vectors once per tile of query heads, and the block stays in L1 for every query of the task. Each query's
- * sums run in the order they run for it alone, so its bits do not depend on the other queries. NOTE: reading one
- * head's 256 bytes out of every 768-byte row (a task per KV head) ran at a third of the memory bandwidth on the
- * development machines (~10 GB/s of used bytes vs ~30), as the lines in between were fetched anyway. Sharing each K
- * and V vector across the heads of a group took the hot attention from one load per FMA (load-bound) to ~3 FMAs per
- * load. Inlined with a constant head_dim (64, 128). */
-static inline __attribute__((always_inline)) void attend_chunk_d(
-    const int D, int num_kv_heads, int group, int n, const float *q, int64_t q_stride, const void *k_cache,
-    const void *v_cache, const int32_t *table, int block_size, const int *len, float scale, float *scores, int split,
-    float *const *mine, const int kv_format) {
-    const int num_heads = num_kv_heads * group, tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT);
+/* A task's queries (a decode alone, or consecutive tokens of a prompt chunk) over one chunk of their sequence: query
+ * m's heads at q + m q_stride, its len[m] positions of the chunk (<= 0: the chunk is past its context), its scores
+ * at scores + m num_heads split, its (max, sum, acc) per head at mine[m]. */
+struct chunk_queries {
+    int n, longest, reach; /* queries; the most positions one reaches; how many reach any */
+    const float *q;
+    int64_t q_stride;
+    const int *len;
+    float *scores;
+    float *const *mine;
+};
+
+/* Scores of every query head against K, block by block and, inside a block, query by query and KV head by KV head,
+ * the query heads of its group a few at a time (score_tile): each cache row (all KV heads of a position,
+ * contiguous) is read whole while it is in cache, each of its vectors once per tile of query heads, and the block
+ * stays in L1 for every query of the task. */
+static inline __attribute__((always_inline)) void chunk_scores(const int D, int num_kv_heads, int group,
+                                                               struct chunk_queries c, const void *k_cache,
+                                                               const void *v_cache, const int32_t *table,
+                                                               int block_size, float scale, int split,
+                                                               const int kv_format) {
+    const int tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT), last = (c.longest - 1) / block_size;
     const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb; /* bytes of a head's row, a position's */
-    const int64_t block_bytes = block_size * row, per_query = (int64_t)num_heads * split;
-    int longest = 0, reach = 0; /* positions the chunk's queries reach; the queries that reach any */
-    for (int m = 0; m < n; m++) longest = len[m] > longest ? len[m] : longest, reach += len[m] > 0;
-    if (longest <= 0) return;
-    const int last = (longest - 1) / block_size;
-    for (int p0 = 0; p0 < longest; p0 += block_size) {
-        const int top = p0 + block_size < longest ? p0 + block_size : longest, b = p0 / block_size;
+    const int64_t block_bytes = block_size * row, per_query = (int64_t)num_kv_heads * group * split;
+    for (int p0 = 0; p0 < c.longest; p0 += block_size) {
+        const int top = p0 + block_size < c.longest ? p0 + block_size : c.longest, b = p0 / block_size;
         const char *kb = fetch_block(k_cache, table, p0, top, block_size, row);
         const char *next = block_after(k_cache, table, b, last, block_bytes); /* after K's last block, V's first */
         struct trickle t = trickle_of(next ? next : (const char *)v_cache + table[0] * block_bytes, block_bytes,
-                                      reach * tiles * ((top - p0 + 7) / 8));
-        for (int m = 0; m < n; m++) {
-            if (len[m] <= p0) continue;
-            const int end = p0 + block_size < len[m] ? p0 + block_size : len[m];
-            for (int h = 0; h < num_kv_heads; h++)
+                                      c.reach * tiles * ((top - p0 + 7) / 8));
+        for (int m = 0; m < c.n; m++) {
+            const int end = p0 + block_size < c.len[m] ? p0 + block_size : c.len[m];
+            for (int h = 0; h < num_kv_heads && end > p0; h++)
                 for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                     const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT;
-                    const float *qg = q + m * q_stride + (int64_t)(h * group + g0) * D;
-                    float *sg = scores + m * per_query + (int64_t)(h * group + g0) * split;
+                    const float *qg = c.q + m * c.q_stride + (int64_t)(h * group + g0) * D;
+                    float *sg = c.scores + m * per_query + (int64_t)(h * group + g0) * split;
                     int p = p0;
                     for (; p + 8 <= end; p += 8) {
                         trickle_some(&t);
@@ -1813,30 +1813,32 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
         }
         trickle_rest(&t);
     }
-    for (int m = 0; m < n; m++)
-        for (int hg = 0; len[m] > 0 && hg < num_heads; hg++) {
-            float *sg = scores + m * per_query + (int64_t)hg * split, mx = max_of(sg, len[m]);
-            float *stats = mine[m] + hg * (D + 2);
-            stats[0] = mx;
-            stats[1] = exp_sub_sum(sg, len[m], mx);
-            memset(stats + 2, 0, sizeof(float) * D);
-        }
-    for (int p0 = 0; p0 < longest; p0 += block_size) {
-        const int top = p0 + block_size < longest ? p0 + block_size : longest, b = p0 / block_size;
+}
+
+/* Each query head's weighted sum of V into its acc (mine), block by block and query by query as chunk_scores goes,
+ * each V vector loaded once for the tile of query heads sharing it (value_tile). */
+static inline __attribute__((always_inline)) void chunk_values(const int D, int num_kv_heads, int group,
+                                                               struct chunk_queries c, const void *v_cache,
+                                                               const int32_t *table, int block_size, int split,
+                                                               const int kv_format) {
+    const int tiles = num_kv_heads * ((group + ATT_GT - 1) / ATT_GT), last = (c.longest - 1) / block_size;
+    const int64_t hb = kv_head_bytes(D, kv_format), row = num_kv_heads * hb;
+    const int64_t block_bytes = block_size * row, per_query = (int64_t)num_kv_heads * group * split;
+    for (int p0 = 0; p0 < c.longest; p0 += block_size) {
+        const int top = p0 + block_size < c.longest ? p0 + block_size : c.longest, b = p0 / block_size;
         const char *vb = fetch_block(v_cache, table, p0, top, block_size, row);
         struct trickle t = trickle_of(block_after(v_cache, table, b, last, block_bytes), block_bytes,
-                                      reach * tiles * ((D + 63) / 64));
-        for (int m = 0; m < n; m++) {
-            if (len[m] <= p0) continue;
-            const int end = p0 + block_size < len[m] ? p0 + block_size : len[m];
-            for (int h = 0; h < num_kv_heads; h++)
+                                      c.reach * tiles * ((D + 63) / 64));
+        for (int m = 0; m < c.n; m++) {
+            const int end = p0 + block_size < c.len[m] ? p0 + block_size : c.len[m];
+            for (int h = 0; h < num_kv_heads && end > p0; h++)
                 for (int g0 = 0; g0 < group; g0 += ATT_GT) {
                     const int G = group - g0 < ATT_GT ? group - g0 : ATT_GT, hg = h * group + g0;
                     for (int d0 = 0; d0 < D; d0 += 64) { /* 64 dims (8 vectors) a tile, or what remains of the head */
                         trickle_some(&t);
                         const int DV = D - d0 < 64 ? (D - d0) / 8 : 8;
-                        const float *sv = scores + m * per_query + (int64_t)hg * split + p0;
-                        float *o = mine[m] + hg * (D + 2) + 2 + d0;
+                        const float *sv = c.scores + m * per_query + (int64_t)hg * split + p0;
+                        float *o = c.mine[m] + hg * (D + 2) + 2 + d0;
                         if (G == ATT_GT)
                             value_tile(D, DV, d0, ATT_GT, sv, split, vb + h * hb, row, end - p0, o, D + 2,
                                        kv_format);
@@ -1847,6 +1849,33 @@ static inline __attribute__((always_inline)) void attend_chunk_d(
         }
         trickle_rest(&t);
     }
+}
+
+/* One chunk of decode attention for a task's queries, every head: scores against the cached positions
+ * (chunk_scores), then exp and sum (kept unnormalised with their max, for the merge), then the weighted sum of V
+ * (chunk_values). Each query's sums run in the order they run for it alone, so its bits do not depend on the other
+ * queries. NOTE: reading one head's 256 bytes out of every 768-byte row (a task per KV head) ran at a third of the
+ * memory bandwidth on the development machines (~10 GB/s of used bytes vs ~30), as the lines in between were
+ * fetched anyway. Sharing each K and V vector across the heads of a group took the hot attention from one load per
+ * FMA (load-bound) to ~3 FMAs per load. Inlined with a constant head_dim (64, 128). */
+static inline __attribute__((always_inline)) void attend_chunk_d(
+    const int D, int num_kv_heads, int group, int n, const float *q, int64_t q_stride, const void *k_cache,
+    const void *v_cache, const int32_t *table, int block_size, const int *len, float scale, float *scores, int split,
+    float *const *mine, const int kv_format) {
+    struct chunk_queries c = {n, 0, 0, q, q_stride, len, scores, mine};
+    for (int m = 0; m < n; m++) c.longest = len[m] > c.longest ? len[m] : c.longest, c.reach += len[m] > 0;
+    if (c.longest <= 0) return;
+    chunk_scores(D, num_kv_heads, group, c, k_cache, v_cache, table, block_size, scale, split, kv_format);
+    const int num_heads = num_kv_heads * group;
+    for (int m = 0; m < n; m++)
+        for (int hg = 0; len[m] > 0 && hg < num_heads; hg++) {
+            float *sg = scores + (m * num_heads + hg) * (int64_t)split, mx = max_of(sg, len[m]);
+            float *stats = mine[m] + hg * (D + 2);
+            stats[0] = mx;
+            stats[1] = exp_sub_sum(sg, len[m], mx);
+            memset(stats + 2, 0, sizeof(float) * D);
+        }
+    chunk_values(D, num_kv_heads, group, c, v_cache, table, block_size, split, kv_format);
 }
 
 static void attend_chunk(int head_dim, int num_kv_heads, int group, int n, const float *q, int64_t q_stride,
