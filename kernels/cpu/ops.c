@@ -1938,14 +1938,18 @@ void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
             run0[runs++] = s;
     }
     run0[runs] = num_seqs;
-    for (int r = 0; r < runs; r++) task0[r + 1] = task0[r] + (seq_lens[run0[r + 1] - 1] + split - 1) / split;
+    int widest = 1; /* the most queries of a run: the scores each thread holds at once */
+    for (int r = 0; r < runs; r++) {
+        task0[r + 1] = task0[r] + (seq_lens[run0[r + 1] - 1] + split - 1) / split;
+        widest = run0[r + 1] - run0[r] > widest ? run0[r + 1] - run0[r] : widest;
+    }
     int num_chunks = chunk0[num_seqs], num_tasks = task0[runs];
     /* per chunk and query head: (max, sum, acc[head_dim]) */
     int64_t part = (int64_t)num_heads * (head_dim + 2);
     float *partial = malloc(sizeof(float) * (size_t)num_chunks * part);
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)HP_ATT_QUERIES * num_heads * split);
+        float *scores = malloc(sizeof(float) * (size_t)widest * num_heads * split);
         int r = 0;
         /* NOTE: guided, as the products' panels: a thread's tasks in runs of consecutive ones took 2-7% off a
          * step's attention against one task at a time (dynamic, 1), at 1-64 sequences and 192-4096 positions. */
