@@ -454,7 +454,211 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     return 0;
 }
 
+/* fp32 products of Q4A panels on AMX tiles (HP_Q4S): fp32's accuracy, not bfloat16's.
+ *
+ * Why: a Q4 block's weight is d q + m with q in 0..15, which bfloat16 holds exactly, and an fp32 activation x is
+ * exactly the sum of three bfloat16 values (its 24 significant bits, 8 at a time, truncated). So per 32 inputs
+ *     sum_k x_k (d q_k + m) = d (S_1 + S_2 + S_3) + m X,   S_i = sum_k x_i,k q_k,   X = sum_k x_k
+ * where every product in a tile op is exact and its sums round in fp32, as an fp32 product's sums do. Three tile
+ * ops on each k step's weights, and a vector fused multiply-add per block for d and for m, then outrun the FMA
+ * units: on a Xeon with AMX, two cores' fp32 FMAs peak near 340 GFLOP/s, their tiles near 2 TFLOP/s in bfloat16.
+ * NOTE: these are not the bits of the fp32 panels' FMA chain (ops.c): a weight here is d q + m unrounded, and the
+ * sums run per block. A row's result still does not depend on the other rows (the same tile ops and the same
+ * order for any M), and a process computes each weight format through one body, so tokens do not depend on the
+ * batch. The backend takes this body only where start-up times it faster. */
+#define SPLIT_PARTS 3
+
+/* Rows [r0, r1) of x as three bfloat16 parts (part i of row m at a + i part + m LDA(K); x = the three parts' sum,
+ * exactly, for normal x whose last part is not subnormal), and each row's sum per 32 inputs (sums + m K / 32, fp32,
+ * one fixed order); rows past M zero. */
+static void split_rows(const float *x, int64_t ldx, uint16_t *a, int64_t part, float *sums, int r0, int r1, int M,
+                       int K) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int m = r0; m < r1; m++) {
+        uint16_t *out = a + (int64_t)m * LDA(K);
+        float *s = sums + (int64_t)m * (K / TILE_K);
+        if (m >= M) {
+            for (int i = 0; i < SPLIT_PARTS; i++) memset(out + i * part, 0, (size_t)K * 2);
+            memset(s, 0, sizeof(float) * (size_t)(K / TILE_K));
+            continue;
+        }
+        const float *row = x + m * ldx;
+        for (int k = 0; k < K; k += TILE_K) {
+            __m512 half[2];
+            for (int h = 0; h < 2; h++) {
+                __m512 rest = half[h] = _mm512_loadu_ps(row + k + 16 * h);
+                for (int i = 0; i < SPLIT_PARTS; i++) {
+                    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(rest), top);
+                    rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(bits)); /* exact: the bits below the top 8 */
+                    _mm256_storeu_si256((__m256i *)(out + i * part + k + 16 * h),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+                }
+            }
+            s[k / TILE_K] = _mm512_reduce_add_ps(_mm512_add_ps(half[0], half[1]));
+        }
+    }
+}
+
+/* Tile t of a Q4A panel (16 columns x 32 inputs) as its q (0..15) in bfloat16, exact, in WIDENED's layout at out:
+ * each row's low nibbles then its high nibbles, as widen_q4a places them. */
+static inline __attribute__((always_inline)) void widen_q4_values(const char *tile, uint16_t *out) {
+    const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                            0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160,
+                                            0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                                            0x4080, 0x4040, 0x4000, 0x3f80, 0); /* bfloat16 of 0..15, twice */
+    const __m128i low = _mm_set1_epi8(15);
+    const char *nib = tile + 128;
+    for (int r = 0; r < 16; r++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * r));
+        const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        _mm512_store_si512(out + 32 * r, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), values));
+    }
+}
+
+/* One job's tile sums (row group g, 32 inputs of block b: three parts, two tiles) into accumulator tiles ACC0 and
+ * ACC1, the parts' activations loaded into tiles 4 and 5 in turn; tiles 6 and 7 hold the block's weights. */
+#define SPLIT_JOB(ACC0, ACC1, ag, part, lda)                                                                          \
+    do {                                                                                                              \
+        _tile_zero(ACC0);                                                                                             \
+        _tile_zero(ACC1);                                                                                             \
+        _tile_loadd(4, (ag), (lda));                                                                                  \
+        _tile_dpbf16ps(ACC0, 4, 6);                                                                                   \
+        _tile_dpbf16ps(ACC1, 4, 7);                                                                                   \
+        _tile_loadd(5, (ag) + (part), (lda));                                                                         \
+        _tile_dpbf16ps(ACC0, 5, 6);                                                                                   \
+        _tile_dpbf16ps(ACC1, 5, 7);                                                                                   \
+        _tile_loadd(4, (ag) + 2 * (part), (lda));                                                                     \
+        _tile_dpbf16ps(ACC0, 4, 6);                                                                                   \
+        _tile_dpbf16ps(ACC1, 4, 7);                                                                                   \
+    } while (0)
+_Static_assert(SPLIT_PARTS == 3, "SPLIT_JOB sums three parts");
+
+/* A job's sums (accumulator tiles 2 set, 2 set + 1) stored at s [16, 32]. */
+static inline __attribute__((always_inline)) void split_store(int set, float *s) {
+    if (set) {
+        _tile_stored(2, s, 128);
+        _tile_stored(3, s + 16, 128);
+    } else {
+        _tile_stored(0, s, 128);
+        _tile_stored(1, s + 16, 128);
+    }
+}
+
+/* A job's stored sums s (row group g, block b) into the rows' accumulators: acc += d S + m X per row of group g
+ * that is one of M's; d and m from the block's two tiles at t0. */
+static inline __attribute__((always_inline)) void split_epilogue(const float *s, const char *t0, const float *sums,
+                                                                 int b, int blocks, int g, int M, float *acc) {
+    const char *t1 = t0 + HP_Q4A_TILE_BYTES;
+    const __m512 d0 = _mm512_loadu_ps(t0), m0 = _mm512_loadu_ps(t0 + 64);
+    const __m512 d1 = _mm512_loadu_ps(t1), m1 = _mm512_loadu_ps(t1 + 64);
+    const int rows = M - 16 * g < 16 ? M - 16 * g : 16;
+    for (int r = 0; r < rows; r++) {
+        const __m512 x = _mm512_set1_ps(sums[(int64_t)(16 * g + r) * blocks + b]);
+        float *ar = acc + 32 * (16 * g + r);
+        const __m512 lo = b ? _mm512_load_ps(ar) : _mm512_setzero_ps();
+        const __m512 hi = b ? _mm512_load_ps(ar + 16) : _mm512_setzero_ps();
+        _mm512_store_ps(ar, _mm512_fmadd_ps(m0, x, _mm512_fmadd_ps(d0, _mm512_load_ps(s + 32 * r), lo)));
+        _mm512_store_ps(ar + 16, _mm512_fmadd_ps(m1, x, _mm512_fmadd_ps(d1, _mm512_load_ps(s + 32 * r + 16), hi)));
+    }
+}
+
+#define SPLIT_RING 4  /* widened blocks in flight: block b + SPLIT_AHEAD is widened while block b's tiles load */
+#define SPLIT_AHEAD 2
+
+/* Panel p of Q4S products for every row. Per 32 inputs, the panel's q widened to bfloat16 into tiles 6 and 7 (two
+ * blocks ahead, so a tile load does not wait on the vector stores that wrote it), then one job of tile sums per row
+ * group. Each job's sums are stored once the next job's tile ops are issued, and taken into the accumulators one job
+ * later still (two sets of accumulator tiles, two buffers in turn), so the vectors' work overlaps the tiles' and no
+ * load waits on the tile store it reads. */
+static void split_panel_product(int p, const uint16_t *a, int64_t part, const float *sums, const char *packed,
+                                const float *bias, float *yp, int64_t ldy, int M, int N, int K, int groups) {
+    static __thread uint16_t *ring = 0;
+    static __thread float *acc = 0;
+    static __thread int64_t acc_rows = 0;
+    if (!ring) ring = (uint16_t *)aligned_alloc(64, SPLIT_RING * 1024 * 2);
+    if (groups * 16 > acc_rows) {
+        free(acc);
+        acc_rows = groups * 16;
+        acc = (float *)aligned_alloc(64, sizeof(float) * 32 * (size_t)acc_rows);
+    }
+    float s[2][16 * 32] __attribute__((aligned(64)));
+    const int blocks = K / TILE_K, n0 = p * HP_BF16A_WIDTH, cols = N - n0 < 32 ? N - n0 : 32, lda = LDA(K) * 2;
+    const char *panel = packed + (int64_t)p * blocks * 2 * HP_Q4A_TILE_BYTES;
+#define BLOCK_AT(b) (panel + (int64_t)(b) * 2 * HP_Q4A_TILE_BYTES)
+    for (int b = 0; b < SPLIT_AHEAD && b < blocks; b++) {
+        widen_q4_values(BLOCK_AT(b), ring + (b % SPLIT_RING) * 1024);
+        widen_q4_values(BLOCK_AT(b) + HP_Q4A_TILE_BYTES, ring + (b % SPLIT_RING) * 1024 + 512);
+    }
+    int j = 0, job_b[3] = {0, 0, 0}, job_g[3] = {0, 0, 0}; /* job j's block and group at [j % 3] */
+#define EPILOGUE(i)                                                                                                   \
+    split_epilogue(s[(i) % 2], BLOCK_AT(job_b[(i) % 3]), sums, job_b[(i) % 3], blocks, job_g[(i) % 3], M, acc)
+    for (int b = 0; b < blocks; b++) {
+        const int ahead = b + SPLIT_AHEAD;
+        if (ahead < blocks) {
+            for (int i = 0; i < 2 * HP_Q4A_TILE_BYTES; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
+            widen_q4_values(BLOCK_AT(ahead), ring + (ahead % SPLIT_RING) * 1024);
+            widen_q4_values(BLOCK_AT(ahead) + HP_Q4A_TILE_BYTES, ring + (ahead % SPLIT_RING) * 1024 + 512);
+        }
+        _tile_loadd(6, ring + (b % SPLIT_RING) * 1024, 64);
+        _tile_loadd(7, ring + (b % SPLIT_RING) * 1024 + 512, 64);
+        for (int g = 0; g < groups; g++, j++) {
+            const uint16_t *ag = a + (int64_t)g * 16 * LDA(K) + b * TILE_K;
+            if (j % 2)
+                SPLIT_JOB(2, 3, ag, part, lda);
+            else
+                SPLIT_JOB(0, 1, ag, part, lda);
+            job_b[j % 3] = b, job_g[j % 3] = g;
+            if (j >= 2) EPILOGUE(j - 2); /* its sums stored an iteration ago */
+            if (j >= 1) split_store((j - 1) % 2, s[(j - 1) % 2]);
+        }
+    }
+    if (j >= 2) EPILOGUE(j - 2);
+    split_store((j - 1) % 2, s[(j - 1) % 2]);
+    EPILOGUE(j - 1);
+#undef EPILOGUE
+#undef BLOCK_AT
+    for (int r = 0; r < M; r++) {
+        float *yr = yp + (int64_t)r * ldy;
+        for (int c = 0; c < cols; c++) yr[c] = acc[32 * r + c] + (bias ? bias[n0 + c] : 0.0f);
+    }
+}
+
+int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
+                      int M, int N, int K) {
+    if (!hp_amx_bf16_available() || K % TILE_K) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int groups = (M + 15) / 16, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
+    static __thread uint16_t *buffer = 0;
+    static __thread int64_t buffer_size = 0;
+    const int64_t part = (int64_t)groups * 16 * LDA(K);
+    const int64_t need = SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * (K / TILE_K); /* the parts, then the sums */
+    if (need > buffer_size) {
+        free(buffer);
+        buffer_size = need;
+        buffer = (uint16_t *)aligned_alloc(64, (size_t)need * 2);
+    }
+    uint16_t *a = buffer; /* NOTE: a local: inside the parallel region, each thread would see its own */
+    float *sums = (float *)(a + SPLIT_PARTS * part);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) split_rows(x, ldx, a, part, sums, g * 16, g * 16 + 16, M, K);
+        load_config(M < 16 ? M : 16, HP_BF16A_WIDTH);
+#pragma omp for schedule(guided)
+        for (int p = 0; p < panels; p++)
+            split_panel_product(p, a, part, sums, (const char *)packed, bias, y + (int64_t)p * HP_BF16A_WIDTH, ldy, M,
+                                N, K, groups);
+        _tile_release();
+    }
+    return 0;
+}
+
 #else
+int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
+                      int M, int N, int K) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    return -1;
+}
 int hp_amx_bf16_available(void) { return 0; }
 int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
                         int64_t *ids) {
