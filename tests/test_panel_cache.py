@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.backends import cpu as cpu_backend
-from engine.backends import panel_cache
+from engine.backends import panel_cache, widened
 from engine.backends.panel_cache import PanelCache
 from engine.gguf_weights import iter_gguf_weights
 from engine.llm import LLM
@@ -26,8 +26,10 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels
 @pytest.fixture
 def counted_packs(monkeypatch) -> list[int]:
     """Every weight packed from the file's bytes from now on (not mapped), counted."""
-    packs, pack = [], cpu.pack_gguf_rows
-    monkeypatch.setattr(cpu, "pack_gguf_rows", lambda *args, **kwargs: packs.append(1) or pack(*args, **kwargs))
+    packs = []
+    for name in ("pack_gguf_rows", "pack_gguf_widened"):  # the panels of each kind, and Q4S's (widened.split_panels)
+        pack = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *args, pack=pack, **kwargs: packs.append(1) or pack(*args, **kwargs))
     monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)  # the small test model's panels cached too
     return packs
 
@@ -46,9 +48,14 @@ def pack_all(cache: PanelCache, weights: list[FileBlocks]) -> list[torch.Tensor]
     return [cpu_backend._pack_quantized(w, cache) for w in weights]
 
 
+@pytest.mark.parametrize("on_tiles", [True, False], ids=["q4-on-amx", "q4-on-fmas"])
 def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tokens(small_q4_k_m, tmp_path,
-                                                                                    monkeypatch, counted_packs):
+                                                                                    monkeypatch, counted_packs,
+                                                                                    on_tiles):
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
+    # both starts take the same body for the Q4 blocks where AMX offers one (fp32 on tiles, Q4S; else the FMAs),
+    # whatever their timing reads: each start packs or maps the panels of the body it took
+    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
     options = dict(max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -64,6 +71,7 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
     second = LLM(str(small_q4_k_m), **options)
     assert len(counted_packs) == packed  # nothing packed: every weight mapped
     backend = second.engine.backend
+    assert backend.split_body == (("Q4S" if on_tiles else "Q4") if "amx" in cpu.bf16_dots() else None)
     assert backend.mapped_weight_bytes() == (tmp_path / "panels" / backend.panel_cache.data_path.name).stat().st_size
     assert torch.equal(second.engine.model.layers[0].mlp.down_proj.kernel.packed, panels)
     again = second.generate(["Hello there", "Once upon"], params)

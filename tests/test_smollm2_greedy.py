@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.backends import cpu as cpu_backend
+from engine.backends import widened
 from engine.backends.greedy_head import Int8ScreenedHead
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -47,11 +48,18 @@ def engine_with(**options) -> EngineCore:
 ARRIVALS = [0, 0, 1, 3, 3, 7, 12, 20]  # later requests join while earlier ones are decoding
 
 
-def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected):
+@pytest.mark.parametrize("on_tiles", [True, False], ids=["q4-on-amx", "q4-on-fmas"])
+def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected, monkeypatch, on_tiles):
+    """Where the CPU has AMX tiles, both bodies of the Q4_1 projections in fp32 (tiles, Q4S panels, or the FMAs, Q4
+    panels; start-up's timing overruled): each gives transformers' tokens, whatever else is in the batch."""
+    if on_tiles and "amx" not in cpu.bf16_dots():
+        pytest.skip("the CPU has no AMX tiles")
+    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
     engine = engine_with()
     layer = engine.model.layers[0]
     if engine.backend.name == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
-        assert layer.mlp.down_proj.kernel.packed.dtype == layer.self_attn.qkv_proj.kernel.packed.dtype == torch.uint8
+        panels = torch.float8_e5m2fnuz if on_tiles else torch.uint8  # Q4S or Q4 panels (test_q4_tiles.py)
+        assert layer.mlp.down_proj.kernel.packed.dtype == layer.self_attn.qkv_proj.kernel.packed.dtype == panels
         assert engine.model.lm_head.kernel.packed.dtype == torch.int8
         # the exact head's int8 screen where start-up timed it faster (test_greedy_tokens_from_the_int8_screen)
         assert engine.backend.greedy_head is None or isinstance(engine.backend.greedy_head, Int8ScreenedHead)

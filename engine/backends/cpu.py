@@ -75,6 +75,9 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 BF16_DOT_ROWS = (1, 16, 64)
 # Rows at which the fp32 bodies are timed: both run 1-4 rows alike (in registers), so batches of decodes and a chunk.
 F32_BODY_ROWS = (16, 64)
+# Rows at which an fp32 process times a GGUF file's Q4 blocks on AMX (Q4S panels) against their FMAs: a stream's
+# decode, and batches of decodes or a prompt chunk, as BF16_DOT_ROWS.
+SPLIT_ROWS = (1, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class CpuBackend(TorchBackend):
         # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
         self._body_timing: tuple[str, Callable[[], str]] | None = None
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
+        self.split_body: str | None = None  # fp32: a GGUF file's Q4 blocks on AMX (Q4S) or FMAs (Q4), where timed
         self.panel_cache: PanelCache | None = None  # mapped from, or kept for the next start
 
     @classmethod
@@ -205,11 +209,13 @@ class CpuBackend(TorchBackend):
             self.panel_cache = PanelCache(weights_file, cache_root(), cpu_kernels.panel_layout())
         pack_blocks = partial(_pack_quantized, cache=self.panel_cache)
         kernels = self._widened_kernels(model, blocks) if not library and self.bf16_dot == "amx" else {}
+        if quantized and not bf16 and not self.int8_activations and "amx" in cpu_kernels.bf16_dots():
+            kernels = self._split_kernels(model)
         for module, source in blocks.items():
             if module not in kernels:  # dense after all, as the other projections
                 module.weight = torch.nn.Parameter(source.dequantize(self.dtype), requires_grad=False)
                 widened.release(source)
-        self.widened_panels = len(kernels)
+        self.widened_panels = len(kernels) if bf16 else 0
         for name, module in model.named_modules():
             if isinstance(module, Linear) and module in kernels:
                 module.kernel = kernels[module]
@@ -279,7 +285,8 @@ class CpuBackend(TorchBackend):
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
         """The products of ``blocks`` from their Q4A/Q6A/Q8A panels where start-up times those faster than BF16A
         panels (``widened.py``), packed a weight at a time with its file pages handed back after; else none."""
-        made, seconds = widened.timed(model, blocks, self.dtype, BF16_DOT_ROWS)
+        bf16a = ("BF16A", lambda b: cpu_kernels.pack_weight_bf16a(b.dequantize(self.dtype)))
+        made, seconds = widened.timed(model, blocks, BF16_DOT_ROWS, bf16a)
         if not widened.faster(seconds):
             return {}
         kernels = {}
@@ -291,6 +298,31 @@ class CpuBackend(TorchBackend):
                 kernels[module] = SplitLinear(PackedLinear(packed[0], n), PackedLinear(packed[1], source.shape[0] - n))
             else:
                 kernels[module] = PackedLinear(packed, module.out_features)
+        return kernels
+
+    def _split_kernels(self, model: LlamaForCausalLM) -> dict[Linear, PackedLinear]:
+        """The products of a GGUF file's Q4 blocks (Q4_0, Q4_1, Q4_K) in an fp32 process from Q4S panels, computed on
+        AMX tiles to fp32's accuracy (``kernels/cpu/amx.c``), where start-up times those faster than the Q4 panels'
+        FMAs on the first layers (``widened.timed``); else none, and the blocks stay with their modules. Each
+        weight's format is one body for every batch size, so tokens do not depend on the batch."""
+        tied = model.lm_head if model.tie_word_embeddings else None
+        q4 = [m for m in model.modules() if isinstance(m, Linear) and m is not tied and m is not model.lm_head
+              and widened.kind_of(m.quantized) == "q4"]
+        if not q4:
+            return {}
+        taken = {m: m.quantized for m in q4}
+        pack = partial(_pack_split, cache=self.panel_cache)
+        made, seconds = widened.timed(model, taken, SPLIT_ROWS,
+                                      ("Q4", partial(_pack_quantized, cache=self.panel_cache)), pack)
+        self.split_body = "Q4S" if widened.faster(seconds) else "Q4"
+        if self.split_body != "Q4S":
+            return {}
+        kernels = {}
+        for module in q4:
+            blocks = module.take_quantized()
+            packed = made.pop(module) if module in made else pack(blocks)
+            widened.release(blocks)
+            kernels[module] = PackedLinear(packed, module.out_features)
         return kernels
 
     def _int8_activations(self) -> bool:
@@ -359,6 +391,8 @@ class CpuBackend(TorchBackend):
         products += f" ({self.f32_body} fp32)" if self.f32_body and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
         blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
+        blocks += f", GGUF Q4 blocks on {'AMX tiles in fp32' if self.split_body == 'Q4S' else 'FMAs'}" \
+            if self.split_body else ""
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
 
@@ -444,6 +478,13 @@ def _pack_quantized(weight: FileBlocks | QuantizedWeight, cache: PanelCache | No
             out = packed.new_empty(cdiv(rows, width), *packed.shape[1:])
         out[start // width:start // width + packed.shape[0]] = packed
     return out
+
+
+def _pack_split(weight: FileBlocks | QuantizedWeight, cache: PanelCache | None = None) -> torch.Tensor:
+    """Q4S panels of Q4 blocks (``widened.split_panels``): ``cache``'s, where an earlier start packed them."""
+    if isinstance(weight, FileBlocks) and cache is not None:
+        return cache.pack(weight, partial(widened.split_panels, weight), kind="Q4S")
+    return widened.split_panels(weight)
 
 
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

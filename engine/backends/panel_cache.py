@@ -124,13 +124,15 @@ class PanelCache:
         self._mapping, self._entries = mapping, entries
         logger.info("panels of %s mapped from %s: %.0f MiB", self.source.name, self.data_path, size / 2**20)
 
-    def pack(self, weight: FileBlocks, pack: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``weight``'s panels: the cache file's, where it holds them, else ``pack()``'s."""
+    def pack(self, weight: FileBlocks, pack: Callable[[], torch.Tensor], kind: str = "") -> torch.Tensor:
+        """``weight``'s panels: the cache file's, where it holds them, else ``pack()``'s. ``kind`` names panels other
+        than its kind's own (the Q4S panels of Q4 blocks), which are entries of their own."""
         positions = weight.file_positions()
         if positions is None:  # not known to come from the file: packed, not cached
             return pack()
-        return self._entry(_digest(f"{weight.type_id}:{weight.in_features}:".encode() + positions.numpy().tobytes()),
-                           pack)
+        name = f"{kind}:" if kind else ""
+        return self._entry(_digest(f"{name}{weight.type_id}:{weight.in_features}:".encode()
+                                   + positions.numpy().tobytes()), pack)
 
     def pack_dense(self, name: str, weight: torch.Tensor,
                    pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:

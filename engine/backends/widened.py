@@ -11,6 +11,7 @@ times these panels against BF16A on the first layers and keeps the faster (``tim
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -85,26 +86,32 @@ def multiply(packed: Panels, x: torch.Tensor) -> None:
         cpu_kernels.linear(x, part, cpu_kernels.packed_geometry(part)[1])
 
 
-def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], dtype: torch.dtype,
-          rows: tuple[int, ...]) -> tuple[dict[Linear, Panels], dict[str, float]]:
-    """The widened panels of the first layers' projections in ``taken``, and the seconds AMX takes to multiply
-    those from them and from BF16A panels at each of ``rows``, summed. Over every such projection of as many layers
-    as TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the saving is in bytes read, which a small working
-    set does not show: on a Xeon whose 2 cores share a large L3, ten layers of SmolLM2 timed alike (0.99x) and all
-    thirty 0.78x (docs/benchmarks.md)."""
+def split_panels(blocks: Blocks) -> torch.Tensor:
+    """Q4-kind ``blocks`` as Q4S panels: Q4A's bytes, multiplied in fp32 on AMX (``kernels/cpu/amx.c``)."""
+    return cpu_kernels.as_q4s(panels(blocks))
+
+
+def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int, ...],
+          rival: tuple[str, Callable[[Blocks], Panels]],
+          mine: Callable[[Blocks], Panels] = panels) -> tuple[dict[Linear, Panels], dict[str, float]]:
+    """``mine`` (the widened panels) of the first layers' projections in ``taken``, and the seconds AMX takes to
+    multiply those, and the rival's panels (a name and its packing) the same products, at each of ``rows``, summed.
+    Over every such projection of as many layers as TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the
+    saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large L3, ten
+    layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
+    name, pack_rival = rival
     made: dict[Linear, Panels] = {}
-    weights: dict[str, list[Panels]] = {"widened": [], "BF16A": []}
+    weights: dict[str, list[Panels]] = {"widened": [], name: []}
     size = 0
     for layer in model.layers:
         modules = [m for m in layer.modules() if m in taken]
         if not modules or size >= TIMING_BYTES:
             break
         for module in modules:
-            made[module] = panels(taken[module])
-            dense = taken[module].dequantize(dtype)
-            size += dense.numel() * dense.element_size()
+            made[module] = mine(taken[module])
+            size += 2 * taken[module].shape[0] * taken[module].shape[1]
             weights["widened"].append(made[module])
-            weights["BF16A"].append(cpu_kernels.pack_weight_bf16a(dense))
+            weights[name].append(pack_rival(taken[module]))
     if not made:
         return {}, {}
     inputs = [{k: torch.randn(m, k) for k in {module.in_features for module in made}} for m in rows]
@@ -115,8 +122,8 @@ def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], dtype: torch.dty
 
 
 def faster(seconds: dict[str, float]) -> bool:
-    """Whether the timing (``timed``) found the widened panels faster."""
-    return bool(seconds) and seconds["widened"] < seconds["BF16A"]
+    """Whether the timing (``timed``) found the widened panels faster than their rival."""
+    return bool(seconds) and seconds["widened"] < min(s for n, s in seconds.items() if n != "widened")
 
 
 def _each(packs: list[Panels], inputs: dict[int, torch.Tensor]) -> None:
