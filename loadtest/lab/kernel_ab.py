@@ -23,7 +23,8 @@ from DRAM too.
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
 code, so the variants must read the same layout; ``amx`` is bfloat16 weights in BF16A panels, every variant's
-products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 blocks in Q4A panels. Several formats
+products on AMX tiles (a CPU with AMX only), ``q4a`` the projections as Q4 blocks in Q4A panels, ``q4s`` in Q4S
+panels (fp32 on the tiles; its head as ``q4``'s). Several formats
 (``--format amx,q4a``) are timed each with each variant, interleaved. ``--kv-dtype`` lists the K/V pool types to
 time the attention with (each variant with each; revisions before bfloat16 pools read any pool as fp32, and before
 int8 pools cannot read them: time int8 with revisions that have it). The formats named for GGUF block types
@@ -60,6 +61,7 @@ from kernels.cpu import (
     KV_FORMATS,
     WEIGHT_FORMATS,
     _build,
+    as_q4s,
     declare,
     find_compiler,
     pack_weight_bf16a,
@@ -121,22 +123,26 @@ SHAPES = {"smollm2-135m": Shapes(),
                                  layers=16)}
 BLOCK_TYPES = {"q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
                "q6_k": GGMLQuantizationType.Q6_K, "q8_0": GGMLQuantizationType.Q8_0}
-FORMATS = ("fp32", "amx", "q4a", *sorted(GRIDS), *BLOCK_TYPES)
+FORMATS = ("fp32", "amx", "q4a", "q4s", *sorted(GRIDS), *BLOCK_TYPES)
 
 
 def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
                  dll: ctypes.CDLL | None = None) -> list[tuple[torch.Tensor, int, int]]:
     """A step's weights packed as ``fmt``'s panels: fp32 by ``dll``'s own packing (revisions may differ), the others
     but GGUF blocks (``block_step_weights``) by the working tree's. q4a: the projections as Q4 blocks in Q4A panels,
-    the LM head (the last shape) in BF16A, as the engine packs the default GGUF in bfloat16 on AMX."""
+    the LM head (the last shape) in BF16A, as the engine packs the default GGUF in bfloat16 on AMX. q4s: the same
+    blocks as Q4S panels (fp32 on AMX tiles), the head as q4's."""
     out = []
     for i, (n, k) in enumerate(shapes):
         if fmt == "fp32":
             weight = packed(dll, torch.randn(n, k, generator=gen) * k**-0.5)
-        elif fmt == "q4a" and i < len(shapes) - 1:
+        elif fmt in ("q4a", "q4s") and i < len(shapes) - 1:
             q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
             d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
             weight = pack_weight_q4a(q, d, -8 * d)
+            weight = as_q4s(weight) if fmt == "q4s" else weight
+        elif fmt == "q4s":  # the head as --format q4's, so the two differ in the projections alone
+            weight = pack_weight_compact(GRIDS["q4"][0](n, k, gen))
         elif fmt in ("amx", "q4a"):
             weight = pack_weight_bf16a(GRIDS["bf16"][0](n, k, gen))
         else:
@@ -297,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
-        if {"amx", "q4a"} & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
-            p.error("--format amx, q4a: this CPU (or a variant) has no AMX tiles")
+        if {"amx", "q4a", "q4s"} & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
+            p.error("--format amx, q4a, q4s: this CPU (or a variant) has no AMX tiles")
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         # per format, per variant: every layer its own weights, so a step streams them from DRAM, as a real one does
         packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32"
