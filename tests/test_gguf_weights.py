@@ -302,14 +302,22 @@ def test_gguf_names_map_to_hugging_faces():
     assert hf_name("blk.0.ffn_gate_exps.weight") is None
 
 
-def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_q4_k_m):
+@pytest.mark.parametrize("on_tiles", [False, True], ids=["fmas", "amx-tiles"])
+def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_q4_k_m, monkeypatch, on_tiles):
     """A Q4_K_M-mix file (Q4_K, Q6_K output and some attn_v/ffn_down, so a fused q/k/v of mixed types) runs from
-    its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it)."""
+    its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it).
+    Where the CPU has AMX, both bodies of the projections (start-up's timing overruled): the block panels' FMAs, and
+    the tiles in fp32 (Q4S and Q6S panels, test_split_tiles.py); the LM head keeps its block panels."""
     from transformers import AutoModelForCausalLM
 
+    from engine.backends import widened
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    if on_tiles and "amx" not in cpu.bf16_dots():
+        pytest.skip("the CPU has no AMX tiles")
+    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
+    q4, q6 = ("Q4S", "Q6S") if on_tiles else ("Q4K", "Q6K")
     path = small_q4_k_m
     llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
     model = llm.engine.model
@@ -319,11 +327,11 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     # llama.cpp's mix gives layers 0, 3, 6 and 7 of 8 (use_more_bits) a Q6_K attn_v and ffn_down: those q/k/v
     # are Q4K panels for q and k and Q6K panels for v, each product into its own columns
     split = model.layers[3].self_attn.qkv_proj.kernel
-    assert (cpu.FORMAT_NAMES[split.head.packed.dtype], cpu.FORMAT_NAMES[split.tail.packed.dtype]) == ("Q4K", "Q6K")
+    assert (cpu.FORMAT_NAMES[split.head.packed.dtype], cpu.FORMAT_NAMES[split.tail.packed.dtype]) == (q4, q6)
     assert split.head.out_features == 256 + 128 and split.tail.out_features == 128
-    assert formats["layers.1.self_attn.qkv_proj"] == "Q4K"
-    assert formats["layers.0.mlp.down_proj"] == "Q6K" and formats["layers.1.mlp.down_proj"] == "Q4K"
-    assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == "Q4K"
+    assert formats["layers.1.self_attn.qkv_proj"] == q4
+    assert formats["layers.0.mlp.down_proj"] == q6 and formats["layers.1.mlp.down_proj"] == q4
+    assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == q4
     assert llm.engine.memory_ledger.weights < 1.25 * path.stat().st_size
 
     prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]

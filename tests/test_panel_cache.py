@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels
 def counted_packs(monkeypatch) -> list[int]:
     """Every weight packed from the file's bytes from now on (not mapped), counted."""
     packs = []
-    for name in ("pack_gguf_rows", "pack_gguf_widened"):  # the panels of each kind, and Q4S's (widened.split_panels)
+    for name in ("pack_gguf_rows", "pack_gguf_widened"):  # each kind's panels, and the fp32 tiles' (split_panels)
         pack = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *args, pack=pack, **kwargs: packs.append(1) or pack(*args, **kwargs))
     monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)  # the small test model's panels cached too
@@ -53,7 +53,7 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
                                                                                     monkeypatch, counted_packs,
                                                                                     on_tiles):
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
-    # both starts take the same body for the Q4 blocks where AMX offers one (fp32 on tiles, Q4S; else the FMAs),
+    # both starts take the same body for the blocks where AMX offers one (fp32 on tiles, Q4S/Q6S/Q8S; else the FMAs),
     # whatever their timing reads: each start packs or maps the panels of the body it took
     monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
     options = dict(max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64)
@@ -71,9 +71,10 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
     second = LLM(str(small_q4_k_m), **options)
     assert len(counted_packs) == packed  # nothing packed: every weight mapped
     backend = second.engine.backend
-    assert backend.split_body == (("Q4S" if on_tiles else "Q4") if "amx" in cpu.bf16_dots() else None)
+    assert backend.split_body == (("tiles" if on_tiles else "FMAs") if "amx" in cpu.bf16_dots() else None)
     assert backend.mapped_weight_bytes() == (tmp_path / "panels" / backend.panel_cache.data_path.name).stat().st_size
-    assert torch.equal(second.engine.model.layers[0].mlp.down_proj.kernel.packed, panels)
+    mapped = second.engine.model.layers[0].mlp.down_proj.kernel.packed
+    assert torch.equal(mapped.view(torch.uint8), panels.view(torch.uint8))  # as bytes: a Q6S weight's type has no ==
     again = second.generate(["Hello there", "Once upon"], params)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in tokens]
     del second

@@ -58,7 +58,7 @@ def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected, monkeypa
     engine = engine_with()
     layer = engine.model.layers[0]
     if engine.backend.name == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
-        panels = torch.float8_e5m2fnuz if on_tiles else torch.uint8  # Q4S or Q4 panels (test_q4_tiles.py)
+        panels = torch.float8_e5m2fnuz if on_tiles else torch.uint8  # Q4S or Q4 panels (test_split_tiles.py)
         assert layer.mlp.down_proj.kernel.packed.dtype == layer.self_attn.qkv_proj.kernel.packed.dtype == panels
         assert engine.model.lm_head.kernel.packed.dtype == torch.int8
         # the exact head's int8 screen where start-up timed it faster (test_greedy_tokens_from_the_int8_screen)

@@ -75,7 +75,7 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 BF16_DOT_ROWS = (1, 16, 64)
 # Rows at which the fp32 bodies are timed: both run 1-4 rows alike (in registers), so batches of decodes and a chunk.
 F32_BODY_ROWS = (16, 64)
-# Rows at which an fp32 process times a GGUF file's Q4 blocks on AMX (Q4S panels) against their FMAs: a stream's
+# Rows at which an fp32 process times a GGUF file's blocks on AMX (Q4S/Q6S/Q8S panels) against their FMAs: a stream's
 # decode, and batches of decodes or a prompt chunk, as BF16_DOT_ROWS.
 SPLIT_ROWS = (1, 16, 64)
 
@@ -158,7 +158,7 @@ class CpuBackend(TorchBackend):
         # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
         self._body_timing: tuple[str, Callable[[], str]] | None = None
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
-        self.split_body: str | None = None  # fp32: a GGUF file's Q4 blocks on AMX (Q4S) or FMAs (Q4), where timed
+        self.split_body: str | None = None  # fp32: a GGUF file's blocks on AMX "tiles" or "FMAs", where timed
         self.panel_cache: PanelCache | None = None  # mapped from, or kept for the next start
 
     @classmethod
@@ -291,38 +291,32 @@ class CpuBackend(TorchBackend):
             return {}
         kernels = {}
         for module, source in blocks.items():
-            packed = made.pop(module) if module in made else widened.panels(source)
+            kernels[module] = _panel_kernel(made.pop(module) if module in made else widened.panels(source), source)
             widened.release(source)
-            if isinstance(packed, tuple):
-                n = source.head.shape[0]
-                kernels[module] = SplitLinear(PackedLinear(packed[0], n), PackedLinear(packed[1], source.shape[0] - n))
-            else:
-                kernels[module] = PackedLinear(packed, module.out_features)
         return kernels
 
-    def _split_kernels(self, model: LlamaForCausalLM) -> dict[Linear, PackedLinear]:
-        """The products of a GGUF file's Q4 blocks (Q4_0, Q4_1, Q4_K) in an fp32 process from Q4S panels, computed on
-        AMX tiles to fp32's accuracy (``kernels/cpu/amx.c``), where start-up times those faster than the Q4 panels'
-        FMAs on the first layers (``widened.timed``); else none, and the blocks stay with their modules. Each
-        weight's format is one body for every batch size, so tokens do not depend on the batch."""
+    def _split_kernels(self, model: LlamaForCausalLM) -> dict[Linear, PackedLinear | SplitLinear]:
+        """The products of a GGUF file's blocks that widened panels hold (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Q5_0) in an
+        fp32 process from Q4S, Q6S and Q8S panels, computed on AMX tiles to fp32's accuracy (``kernels/cpu/amx.c``),
+        where start-up times those faster than their block panels' FMAs on the first layers (``widened.timed``);
+        else none, and the blocks stay with their modules. Each weight's format is one body for every batch size,
+        so tokens do not depend on the batch."""
         tied = model.lm_head if model.tie_word_embeddings else None
-        q4 = [m for m in model.modules() if isinstance(m, Linear) and m is not tied and m is not model.lm_head
-              and widened.kind_of(m.quantized) == "q4"]
-        if not q4:
+        modules = [m for m in model.modules() if isinstance(m, Linear) and m is not tied and m is not model.lm_head
+                   and widened.kind_of(m.quantized)]
+        if not modules:
             return {}
-        taken = {m: m.quantized for m in q4}
-        pack = partial(_pack_split, cache=self.panel_cache)
-        made, seconds = widened.timed(model, taken, SPLIT_ROWS,
-                                      ("Q4", partial(_pack_quantized, cache=self.panel_cache)), pack)
-        self.split_body = "Q4S" if widened.faster(seconds) else "Q4"
-        if self.split_body != "Q4S":
+        pack = _each_part(partial(_pack_split, cache=self.panel_cache))
+        rival = _each_part(partial(_pack_quantized, cache=self.panel_cache))
+        made, seconds = widened.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack)
+        self.split_body = "tiles" if widened.faster(seconds) else "FMAs"
+        if self.split_body != "tiles":
             return {}
         kernels = {}
-        for module in q4:
+        for module in modules:
             blocks = module.take_quantized()
-            packed = made.pop(module) if module in made else pack(blocks)
+            kernels[module] = _panel_kernel(made.pop(module) if module in made else pack(blocks), blocks)
             widened.release(blocks)
-            kernels[module] = PackedLinear(packed, module.out_features)
         return kernels
 
     def _int8_activations(self) -> bool:
@@ -391,7 +385,7 @@ class CpuBackend(TorchBackend):
         products += f" ({self.f32_body} fp32)" if self.f32_body and products == "C" else ""
         int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
         blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
-        blocks += f", GGUF Q4 blocks on {'AMX tiles in fp32' if self.split_body == 'Q4S' else 'FMAs'}" \
+        blocks += f", GGUF blocks on {'AMX tiles in fp32' if self.split_body == 'tiles' else 'FMAs'}" \
             if self.split_body else ""
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
@@ -481,10 +475,25 @@ def _pack_quantized(weight: FileBlocks | QuantizedWeight, cache: PanelCache | No
 
 
 def _pack_split(weight: FileBlocks | QuantizedWeight, cache: PanelCache | None = None) -> torch.Tensor:
-    """Q4S panels of Q4 blocks (``widened.split_panels``): ``cache``'s, where an earlier start packed them."""
+    """Q4S, Q6S or Q8S panels of blocks (``widened.split_panels``): ``cache``'s, where an earlier start packed them."""
     if isinstance(weight, FileBlocks) and cache is not None:
-        return cache.pack(weight, partial(widened.split_panels, weight), kind="Q4S")
+        return cache.pack(weight, partial(widened.split_panels, weight), kind="split")
     return widened.split_panels(weight)
+
+
+def _each_part(pack: Callable[[FileBlocks | QuantizedWeight], torch.Tensor]) -> Callable[[Blocks], widened.Panels]:
+    """``pack`` over blocks, or over each part of a fused projection of two types (a head's panels and a tail's)."""
+    def packed(weight: Blocks) -> widened.Panels:
+        return (pack(weight.head), pack(weight.tail)) if isinstance(weight, SplitBlocks) else pack(weight)
+    return packed
+
+
+def _panel_kernel(packed: widened.Panels, blocks: Blocks) -> PackedLinear | SplitLinear:
+    """The product of a weight's panels, or of a fused projection's head's and tail's (``SplitLinear``)."""
+    if isinstance(packed, tuple):
+        n = blocks.head.shape[0]
+        return SplitLinear(PackedLinear(packed[0], n), PackedLinear(packed[1], blocks.shape[0] - n))
+    return PackedLinear(packed, blocks.shape[0])
 
 
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

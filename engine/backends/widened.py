@@ -86,9 +86,11 @@ def multiply(packed: Panels, x: torch.Tensor) -> None:
         cpu_kernels.linear(x, part, cpu_kernels.packed_geometry(part)[1])
 
 
-def split_panels(blocks: Blocks) -> torch.Tensor:
-    """Q4-kind ``blocks`` as Q4S panels: Q4A's bytes, multiplied in fp32 on AMX (``kernels/cpu/amx.c``)."""
-    return cpu_kernels.as_q4s(panels(blocks))
+def split_panels(blocks: Blocks) -> Panels:
+    """``blocks`` as Q4S, Q6S or Q8S panels: the widened panels' bytes, multiplied in fp32 on AMX
+    (``kernels/cpu/amx.c``); each part of a fused projection of two types."""
+    packed = panels(blocks)
+    return tuple(map(cpu_kernels.as_split, packed)) if isinstance(packed, tuple) else cpu_kernels.as_split(packed)
 
 
 def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int, ...],

@@ -184,16 +184,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
 # panels (int16: the BF16 layout, computed in bfloat16), the byte blocks Q5 and Q6M, and the K-quant panels Q4K, Q5K
 # and Q6K, and BF16A panels (BF16C 32 columns wide, for AMX); Q4A, Q6A and Q8A panels (a GGUF file's blocks for
-# AMX in bfloat16) and Q4S (Q4A's bytes, on AMX in fp32). The last five of the blocks are bytes viewed as int32,
-# float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), BF16A's bfloat16 pairs
-# as float16, the widened panels as float8 types: dtypes that only name the format here.
+# AMX in bfloat16) and Q4S, Q6S, Q8S (their bytes, on AMX in fp32). The last five of the blocks are bytes viewed as
+# int32, float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), BF16A's bfloat16
+# pairs as float16, the widened panels as 8-bit float types: dtypes that only name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
                   torch.float8_e4m3fn: 13, torch.float8_e5m2: 14, torch.float8_e4m3fnuz: 15,
-                  torch.float8_e5m2fnuz: 16}
+                  torch.float8_e5m2fnuz: 16, torch.float4_e2m1fn_x2: 17, torch.float8_e8m0fnu: 18}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
                 torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A", torch.float8_e4m3fnuz: "Q8A",
-                torch.float8_e5m2fnuz: "Q4S", **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
+                torch.float8_e5m2fnuz: "Q4S", torch.float4_e2m1fn_x2: "Q6S", torch.float8_e8m0fnu: "Q8S",
+                **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -340,7 +341,10 @@ Q6A_TILE_BYTES = Q4A_TILE_BYTES + 8 * 16  # its two d (k 0-15, 16-31), the low n
 Q8A_TILE_BYTES = 16 * 4 + 16 * 32  # a tile's d (fp32) for its 16 columns, then 16 rows of 32 bytes
 WIDENED_TILE_BYTES = {torch.float8_e4m3fn: Q4A_TILE_BYTES, torch.float8_e5m2: Q6A_TILE_BYTES,
                       torch.float8_e4m3fnuz: Q8A_TILE_BYTES,
-                      torch.float8_e5m2fnuz: Q4A_TILE_BYTES}  # of Q4A, Q6A and Q8A panels, and Q4S (Q4A's bytes)
+                      torch.float8_e5m2fnuz: Q4A_TILE_BYTES, torch.float4_e2m1fn_x2: Q6A_TILE_BYTES,
+                      torch.float8_e8m0fnu: Q8A_TILE_BYTES}  # of Q4A, Q6A and Q8A panels, and Q4S, Q6S, Q8S (the same)
+SPLIT_DTYPES = {torch.float8_e4m3fn: torch.float8_e5m2fnuz, torch.float8_e5m2: torch.float4_e2m1fn_x2,
+                torch.float8_e4m3fnuz: torch.float8_e8m0fnu}  # Q4A, Q6A, Q8A -> Q4S, Q6S, Q8S
 
 
 def pack_weight_q4a(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -383,12 +387,14 @@ def pack_weight_q8a(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return packed.reshape(panels, blocks_k, 2 * Q8A_TILE_BYTES).view(torch.float8_e4m3fnuz)
 
 
-def as_q4s(q4a: torch.Tensor) -> torch.Tensor:
-    """Q4A panels as Q4S panels: the same bytes, multiplied in fp32 on AMX (amx.c: the activations split exactly into
-    three bfloat16 parts, each 32 inputs' tile sums scaled by d and m in fp32), not rounded to bfloat16."""
-    if q4a.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"Q4S panels are Q4A panels' bytes, got {FORMAT_NAMES.get(q4a.dtype, q4a.dtype)}")
-    return q4a.view(torch.float8_e5m2fnuz)
+def as_split(widened: torch.Tensor) -> torch.Tensor:
+    """Q4A, Q6A or Q8A panels as Q4S, Q6S or Q8S panels: the same bytes, multiplied in fp32 on AMX (amx.c: the
+    activations split exactly into three bfloat16 parts, each block's tile sums scaled by d and m in fp32), not
+    rounded to bfloat16."""
+    if widened.dtype not in SPLIT_DTYPES:
+        raise ValueError(f"Q4S, Q6S and Q8S panels are Q4A, Q6A or Q8A panels' bytes, got "
+                         f"{FORMAT_NAMES.get(widened.dtype, widened.dtype)}")
+    return widened.view(SPLIT_DTYPES[widened.dtype])
 
 
 def _widened_values(q: torch.Tensor) -> tuple[int, torch.Tensor, int]:

@@ -149,8 +149,9 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
  * file's q + 32) as d q - 32 d in fp32 (both products exact, and so their sum: a d of at most 18 significant bits),
  * d that of its 16 k. A tile holds its 16 columns' d for k 0-15 and 16-31 (fp32), the values' low four bits as Q4A's
  * nibbles, then per two rows (pairs of k) 16 bytes: bits 0-1 and 2-3 the high bits of the low and high nibble of
- * the first row's byte, bits 4-5 and 6-7 of the second's. */
-static inline __attribute__((always_inline)) void widen_q6a(const char *panel, int t0, int t1, uint16_t *out) {
+ * the first row's byte, bits 4-5 and 6-7 of the second's. Not ``scaled``: the file's q (q - 32, exact), for Q6S. */
+static inline __attribute__((always_inline)) void widen_q6(const char *panel, int t0, int t1, uint16_t *out,
+                                                           int scaled) {
     const __m512i low = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
     const __m512 offset = _mm512_set1_ps(-32.0f);
     for (int t = t0; t < t1; t++) {
@@ -169,8 +170,10 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
                                                         _mm512_slli_epi32(_mm512_and_si512(hj, two), 4));
                     const __m512i hhi = _mm512_and_si512(_mm512_srli_epi32(hj, 2), two);
                     const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(hhi, 4));
-                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qlo), dlo, mlo);
-                    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qhi), dhi, mhi);
+                    const __m512i back = _mm512_set1_epi32(scaled ? 0 : 32); /* unscaled: q - 32, the file's q */
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, back));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, back));
+                    if (scaled) lo = _mm512_fmadd_ps(lo, dlo, mlo), hi = _mm512_fmadd_ps(hi, dhi, mhi);
                     _mm512_store_si512(o + 32 * (r + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
             }
@@ -180,8 +183,9 @@ static inline __attribute__((always_inline)) void widen_q6a(const char *panel, i
 
 /* Tiles t0 .. t1 of a Q8A panel (two per 32 k) widened to bfloat16 as widen_q4a does: each value q (-128..127) as
  * d q in fp32 (exact), d that of its column's 32 k. Per pair of k a tile holds 32 bytes: columns 0-7's (each
- * column's k then k + 1), then columns 8-15's. */
-static inline __attribute__((always_inline)) void widen_q8a(const char *panel, int t0, int t1, uint16_t *out) {
+ * column's k then k + 1), then columns 8-15's. Not ``scaled``: q itself (exact), for Q8S. */
+static inline __attribute__((always_inline)) void widen_q8(const char *panel, int t0, int t1, uint16_t *out,
+                                                           int scaled) {
     for (int t = t0; t < t1; t++) {
         const char *b = panel + (int64_t)t * HP_Q8A_TILE_BYTES, *bytes = b + 64;
         __m512 dlo, dhi;
@@ -190,8 +194,8 @@ static inline __attribute__((always_inline)) void widen_q8a(const char *panel, i
         for (int r = 0; r < 16; r++) {
             const __m512i vlo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 32 * r)));
             const __m512i vhi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 32 * r + 16)));
-            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(vlo), dlo);
-            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(vhi), dhi);
+            __m512 lo = _mm512_cvtepi32_ps(vlo), hi = _mm512_cvtepi32_ps(vhi);
+            if (scaled) lo = _mm512_mul_ps(lo, dlo), hi = _mm512_mul_ps(hi, dhi);
             _mm512_store_si512(o + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -223,9 +227,9 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
             for (int64_t i = 0; i < blocks_step; i += 64)
                 __builtin_prefetch(widen.src + (k / TILE_K + HP_AMX_AHEAD) * blocks_step + i, 0, 3);
         if (widen.src && widen.format == HP_Q6A)
-            widen_q6a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+            widen_q6(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst, 1);
         else if (widen.src && widen.format == HP_Q8A)
-            widen_q8a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
+            widen_q8(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst, 1);
         else if (widen.src)
             widen_q4a(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         const char *b = panel + (int64_t)(k / TILE_K) * w.step;
@@ -454,53 +458,63 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
     return 0;
 }
 
-/* fp32 products of Q4A panels on AMX tiles (HP_Q4S): fp32's accuracy, not bfloat16's.
+/* fp32 products of a GGUF file's blocks on AMX tiles: Q4S, Q6S and Q8S panels (the bytes of Q4A, Q6A and Q8A
+ * panels), to fp32's accuracy, not bfloat16's.
  *
- * Why: a Q4 block's weight is d q + m with q in 0..15, which bfloat16 holds exactly, and an fp32 activation x is
- * exactly the sum of three bfloat16 values (its 24 significant bits, 8 at a time, truncated). So per 32 inputs
+ * Why: a block's weight is d q + m with an integer q (Q4: 0..15 and an m; Q6: -32..31, a d per 16 inputs, no m;
+ * Q8: -128..127, no m), which bfloat16 holds exactly, and an fp32 activation x is exactly the sum of three
+ * bfloat16 values (its 24 significant bits, 8 at a time, truncated). So per block of inputs
  *     sum_k x_k (d q_k + m) = d (S_1 + S_2 + S_3) + m X,   S_i = sum_k x_i,k q_k,   X = sum_k x_k
  * where every product in a tile op is exact and its sums round in fp32, as an fp32 product's sums do. Three tile
- * ops on each k step's weights, and a vector fused multiply-add per block for d and for m, then outrun the FMA
+ * ops on each block's weights, and a vector fused multiply-add or two per block for d and m, then outrun the FMA
  * units: on a Xeon with AMX, two cores' fp32 FMAs peak near 340 GFLOP/s, their tiles near 2 TFLOP/s in bfloat16.
  * NOTE: these are not the bits of the fp32 panels' FMA chain (ops.c): a weight here is d q + m unrounded, and the
  * sums run per block. A row's result still does not depend on the other rows (the same tile ops and the same
  * order for any M), and a process computes each weight format through one body, so tokens do not depend on the
- * batch. The backend takes this body only where start-up times it faster. */
+ * batch. The backend takes these bodies only where start-up times them faster. */
 #define SPLIT_PARTS 3
 
+static inline int split_tile_bytes(int format) {
+    return format == HP_Q6S ? HP_Q6A_TILE_BYTES : format == HP_Q8S ? HP_Q8A_TILE_BYTES : HP_Q4A_TILE_BYTES;
+}
+/* Inputs per scale (d, m) of a format: its blocks, the tile ops' k step (Q6: two steps of 16 a tile). */
+static inline int split_group(int format) { return format == HP_Q6S ? 16 : TILE_K; }
+
 /* Rows [r0, r1) of x as three bfloat16 parts (part i of row m at a + i part + m LDA(K); x = the three parts' sum,
- * exactly, for normal x whose last part is not subnormal), and each row's sum per 32 inputs (sums + m K / 32, fp32,
- * one fixed order); rows past M zero. */
-static void split_rows(const float *x, int64_t ldx, uint16_t *a, int64_t part, float *sums, int r0, int r1, int M,
-                       int K) {
+ * exactly, for normal x whose last part is not subnormal), and each row's sum per `group` inputs (sums + m K / group,
+ * fp32, one fixed order; none where group is 0); rows past M zero. */
+static void split_rows(const float *x, int64_t ldx, uint16_t *a, int64_t part, float *sums, int group, int r0, int r1,
+                       int M, int K) {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const int per_row = group ? K / group : 0;
     for (int m = r0; m < r1; m++) {
         uint16_t *out = a + (int64_t)m * LDA(K);
-        float *s = sums + (int64_t)m * (K / TILE_K);
+        float *s = sums + (int64_t)m * per_row;
         if (m >= M) {
             for (int i = 0; i < SPLIT_PARTS; i++) memset(out + i * part, 0, (size_t)K * 2);
-            memset(s, 0, sizeof(float) * (size_t)(K / TILE_K));
+            memset(s, 0, sizeof(float) * (size_t)per_row);
             continue;
         }
         const float *row = x + m * ldx;
-        for (int k = 0; k < K; k += TILE_K) {
-            __m512 half[2];
-            for (int h = 0; h < 2; h++) {
-                __m512 rest = half[h] = _mm512_loadu_ps(row + k + 16 * h);
-                for (int i = 0; i < SPLIT_PARTS; i++) {
-                    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(rest), top);
-                    rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(bits)); /* exact: the bits below the top 8 */
-                    _mm256_storeu_si256((__m256i *)(out + i * part + k + 16 * h),
-                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-                }
+        for (int k = 0; k < K; k += 16) {
+            __m512 rest = _mm512_loadu_ps(row + k);
+            if (group) {
+                if (k % group == 0) s[k / group] = 0.0f;
+                s[k / group] += _mm512_reduce_add_ps(rest);
             }
-            s[k / TILE_K] = _mm512_reduce_add_ps(_mm512_add_ps(half[0], half[1]));
+            for (int i = 0; i < SPLIT_PARTS; i++) {
+                const __m512i bits = _mm512_and_si512(_mm512_castps_si512(rest), top);
+                rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(bits)); /* exact: the bits below the top 8 */
+                const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+                _mm256_storeu_si256((__m256i *)(out + i * part + k), half);
+            }
         }
     }
 }
 
 /* Tile t of a Q4A panel (16 columns x 32 inputs) as its q (0..15) in bfloat16, exact, in WIDENED's layout at out:
- * each row's low nibbles then its high nibbles, as widen_q4a places them. */
+ * each row's low nibbles then its high nibbles, as widen_q4a places them (a table look-up, not widen_q4a's
+ * conversions). */
 static inline __attribute__((always_inline)) void widen_q4_values(const char *tile, uint16_t *out) {
     const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
                                             0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160,
@@ -515,8 +529,33 @@ static inline __attribute__((always_inline)) void widen_q4_values(const char *ti
     }
 }
 
-/* One job's tile sums (row group g, 32 inputs of block b: three parts, two tiles) into accumulator tiles ACC0 and
- * ACC1, the parts' activations loaded into tiles 4 and 5 in turn; tiles 6 and 7 hold the block's weights. */
+/* A block's two tiles (16 columns each) of q values at out (2 x 512 bfloat16). */
+static inline __attribute__((always_inline)) void split_widen(int format, const char *block, uint16_t *out) {
+    if (format == HP_Q6S) {
+        widen_q6(block, 0, 2, out, 0);
+    } else if (format == HP_Q8S) {
+        widen_q8(block, 0, 2, out, 0);
+    } else {
+        widen_q4_values(block, out);
+        widen_q4_values(block + HP_Q4A_TILE_BYTES, out + 512);
+    }
+}
+
+/* Tiles: 0-3 accumulators (two sets of a row group x two column tiles, taking turns), 4-5 activations (the parts in
+ * turn), 6-7 weights; a tile op sums `step` inputs (32, or 16 for Q6S's scales per 16). */
+static void split_config(int rows, int step) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = (uint16_t)(step * 2);
+    c.rows[6] = c.rows[7] = (uint8_t)(step / 2), c.colsb[6] = c.colsb[7] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory"); /* as load_config */
+    _tile_loadconfig(&c);
+}
+
+/* One job's tile sums (a row group, one k step: three parts, two tiles) into accumulator tiles ACC0 and ACC1, the
+ * parts' activations loaded into tiles 4 and 5 in turn; tiles 6 and 7 hold the step's weights. */
 #define SPLIT_JOB(ACC0, ACC1, ag, part, lda)                                                                          \
     do {                                                                                                              \
         _tile_zero(ACC0);                                                                                             \
@@ -544,34 +583,45 @@ static inline __attribute__((always_inline)) void split_store(int set, float *s)
     }
 }
 
-/* A job's stored sums s (row group g, block b) into the rows' accumulators: acc += d S + m X per row of group g
- * that is one of M's; d and m from the block's two tiles at t0. */
-static inline __attribute__((always_inline)) void split_epilogue(const float *s, const char *t0, const float *sums,
-                                                                 int b, int blocks, int g, int M, float *acc) {
-    const char *t1 = t0 + HP_Q4A_TILE_BYTES;
-    const __m512 d0 = _mm512_loadu_ps(t0), m0 = _mm512_loadu_ps(t0 + 64);
-    const __m512 d1 = _mm512_loadu_ps(t1), m1 = _mm512_loadu_ps(t1 + 64);
+/* A job's stored sums s (row group g, scale group j of the row, the block's two tiles at t0) into the rows'
+ * accumulators: acc += d S (+ m X for Q4S), per row of group g that is one of M's. Q4S's d and m lead each tile,
+ * Q6S's two d (inputs 0-15, 16-31), Q8S's d. */
+static inline __attribute__((always_inline)) void split_epilogue(int format, const float *s, const char *t0,
+                                                                 const float *sums, int j, int per_row, int g, int M,
+                                                                 float *acc) {
+    const char *t1 = t0 + split_tile_bytes(format);
+    const int at = format == HP_Q6S ? 64 * (j % 2) : 0;
+    const __m512 d0 = _mm512_loadu_ps(t0 + at), d1 = _mm512_loadu_ps(t1 + at);
+    const __m512 m0 = format == HP_Q4S ? _mm512_loadu_ps(t0 + 64) : d0; /* unused but by Q4S */
+    const __m512 m1 = format == HP_Q4S ? _mm512_loadu_ps(t1 + 64) : d1;
     const int rows = M - 16 * g < 16 ? M - 16 * g : 16;
     for (int r = 0; r < rows; r++) {
-        const __m512 x = _mm512_set1_ps(sums[(int64_t)(16 * g + r) * blocks + b]);
         float *ar = acc + 32 * (16 * g + r);
-        const __m512 lo = b ? _mm512_load_ps(ar) : _mm512_setzero_ps();
-        const __m512 hi = b ? _mm512_load_ps(ar + 16) : _mm512_setzero_ps();
-        _mm512_store_ps(ar, _mm512_fmadd_ps(m0, x, _mm512_fmadd_ps(d0, _mm512_load_ps(s + 32 * r), lo)));
-        _mm512_store_ps(ar + 16, _mm512_fmadd_ps(m1, x, _mm512_fmadd_ps(d1, _mm512_load_ps(s + 32 * r + 16), hi)));
+        __m512 lo = _mm512_fmadd_ps(d0, _mm512_load_ps(s + 32 * r), j ? _mm512_load_ps(ar) : _mm512_setzero_ps());
+        __m512 hi = _mm512_fmadd_ps(d1, _mm512_load_ps(s + 32 * r + 16),
+                                    j ? _mm512_load_ps(ar + 16) : _mm512_setzero_ps());
+        if (format == HP_Q4S) {
+            const __m512 x = _mm512_set1_ps(sums[(int64_t)(16 * g + r) * per_row + j]);
+            lo = _mm512_fmadd_ps(m0, x, lo), hi = _mm512_fmadd_ps(m1, x, hi);
+        }
+        _mm512_store_ps(ar, lo);
+        _mm512_store_ps(ar + 16, hi);
     }
 }
 
 #define SPLIT_RING 4  /* widened blocks in flight: block b + SPLIT_AHEAD is widened while block b's tiles load */
 #define SPLIT_AHEAD 2
 
-/* Panel p of Q4S products for every row. Per 32 inputs, the panel's q widened to bfloat16 into tiles 6 and 7 (two
- * blocks ahead, so a tile load does not wait on the vector stores that wrote it), then one job of tile sums per row
- * group. Each job's sums are stored once the next job's tile ops are issued, and taken into the accumulators one job
- * later still (two sets of accumulator tiles, two buffers in turn), so the vectors' work overlaps the tiles' and no
- * load waits on the tile store it reads. */
-static void split_panel_product(int p, const uint16_t *a, int64_t part, const float *sums, const char *packed,
-                                const float *bias, float *yp, int64_t ldy, int M, int N, int K, int groups) {
+/* Panel p of Q4S, Q6S or Q8S products for every row. Per 32 inputs, the panel's q widened to bfloat16 (two blocks
+ * ahead, so a tile load does not wait on the vector stores that wrote it); then per k step (one, or Q6S's two) the
+ * step's weights into tiles 6 and 7 and one job of tile sums per row group. Each job's sums are stored once the next
+ * job's tile ops are issued, and taken into the accumulators one job later still (two sets of accumulator tiles, two
+ * buffers, in turn), so the vectors' work overlaps the tiles' and no load waits on the tile store it reads. */
+static inline __attribute__((always_inline)) void split_panel_product(int format, int p, const uint16_t *a,
+                                                                      int64_t part, const float *sums,
+                                                                      const char *packed, const float *bias,
+                                                                      float *yp, int64_t ldy, int M, int N, int K,
+                                                                      int groups) {
     static __thread uint16_t *ring = 0;
     static __thread float *acc = 0;
     static __thread int64_t acc_rows = 0;
@@ -582,34 +632,37 @@ static void split_panel_product(int p, const uint16_t *a, int64_t part, const fl
         acc = (float *)aligned_alloc(64, sizeof(float) * 32 * (size_t)acc_rows);
     }
     float s[2][16 * 32] __attribute__((aligned(64)));
-    const int blocks = K / TILE_K, n0 = p * HP_BF16A_WIDTH, cols = N - n0 < 32 ? N - n0 : 32, lda = LDA(K) * 2;
-    const char *panel = packed + (int64_t)p * blocks * 2 * HP_Q4A_TILE_BYTES;
-#define BLOCK_AT(b) (panel + (int64_t)(b) * 2 * HP_Q4A_TILE_BYTES)
-    for (int b = 0; b < SPLIT_AHEAD && b < blocks; b++) {
-        widen_q4_values(BLOCK_AT(b), ring + (b % SPLIT_RING) * 1024);
-        widen_q4_values(BLOCK_AT(b) + HP_Q4A_TILE_BYTES, ring + (b % SPLIT_RING) * 1024 + 512);
-    }
-    int j = 0, job_b[3] = {0, 0, 0}, job_g[3] = {0, 0, 0}; /* job j's block and group at [j % 3] */
+    const int tile = split_tile_bytes(format), step = split_group(format), steps = TILE_K / step;
+    const int blocks = K / TILE_K, per_row = K / step, n0 = p * HP_BF16A_WIDTH, lda = LDA(K) * 2;
+    const int cols = N - n0 < 32 ? N - n0 : 32;
+    const char *panel = packed + (int64_t)p * blocks * 2 * tile;
+#define BLOCK_AT(b) (panel + (int64_t)(b) * 2 * tile)
+    for (int b = 0; b < SPLIT_AHEAD && b < blocks; b++)
+        split_widen(format, BLOCK_AT(b), ring + (b % SPLIT_RING) * 1024);
+    int j = 0, job_k[3] = {0, 0, 0}, job_g[3] = {0, 0, 0}; /* job j's k step and row group at [j % 3] */
 #define EPILOGUE(i)                                                                                                   \
-    split_epilogue(s[(i) % 2], BLOCK_AT(job_b[(i) % 3]), sums, job_b[(i) % 3], blocks, job_g[(i) % 3], M, acc)
+    split_epilogue(format, s[(i) % 2], BLOCK_AT(job_k[(i) % 3] / steps), sums, job_k[(i) % 3], per_row,             \
+                   job_g[(i) % 3], M, acc)
     for (int b = 0; b < blocks; b++) {
         const int ahead = b + SPLIT_AHEAD;
         if (ahead < blocks) {
-            for (int i = 0; i < 2 * HP_Q4A_TILE_BYTES; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
-            widen_q4_values(BLOCK_AT(ahead), ring + (ahead % SPLIT_RING) * 1024);
-            widen_q4_values(BLOCK_AT(ahead) + HP_Q4A_TILE_BYTES, ring + (ahead % SPLIT_RING) * 1024 + 512);
+            for (int i = 0; i < 2 * tile; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
+            split_widen(format, BLOCK_AT(ahead), ring + (ahead % SPLIT_RING) * 1024);
         }
-        _tile_loadd(6, ring + (b % SPLIT_RING) * 1024, 64);
-        _tile_loadd(7, ring + (b % SPLIT_RING) * 1024 + 512, 64);
-        for (int g = 0; g < groups; g++, j++) {
-            const uint16_t *ag = a + (int64_t)g * 16 * LDA(K) + b * TILE_K;
-            if (j % 2)
-                SPLIT_JOB(2, 3, ag, part, lda);
-            else
-                SPLIT_JOB(0, 1, ag, part, lda);
-            job_b[j % 3] = b, job_g[j % 3] = g;
-            if (j >= 2) EPILOGUE(j - 2); /* its sums stored an iteration ago */
-            if (j >= 1) split_store((j - 1) % 2, s[(j - 1) % 2]);
+        for (int h = 0; h < steps; h++) { /* a Q6S tile's rows 0-7 are inputs 0-15, rows 8-15 inputs 16-31 */
+            const uint16_t *w = ring + (b % SPLIT_RING) * 1024 + h * 256;
+            _tile_loadd(6, w, 64);
+            _tile_loadd(7, w + 512, 64);
+            for (int g = 0; g < groups; g++, j++) {
+                const uint16_t *ag = a + (int64_t)g * 16 * LDA(K) + b * TILE_K + h * step;
+                if (j % 2)
+                    SPLIT_JOB(2, 3, ag, part, lda);
+                else
+                    SPLIT_JOB(0, 1, ag, part, lda);
+                job_k[j % 3] = b * steps + h, job_g[j % 3] = g;
+                if (j >= 2) EPILOGUE(j - 2); /* its sums stored an iteration ago */
+                if (j >= 1) split_store((j - 1) % 2, s[(j - 1) % 2]);
+            }
         }
     }
     if (j >= 2) EPILOGUE(j - 2);
@@ -623,15 +676,28 @@ static void split_panel_product(int p, const uint16_t *a, int64_t part, const fl
     }
 }
 
-int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
-                      int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K) return -1;
+/* One body per format, its constants folded. */
+#define SPLIT_BODY(NAME, FORMAT)                                                                                      \
+    static __attribute__((noinline)) void NAME(int p, const uint16_t *a, int64_t part, const float *sums,            \
+                                               const char *packed, const float *bias, float *yp, int64_t ldy, int M, \
+                                               int N, int K, int groups) {                                            \
+        split_panel_product(FORMAT, p, a, part, sums, packed, bias, yp, ldy, M, N, K, groups);                       \
+    }
+SPLIT_BODY(split_q4s, HP_Q4S)
+SPLIT_BODY(split_q6s, HP_Q6S)
+SPLIT_BODY(split_q8s, HP_Q8S)
+
+int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K) {
+    if (!hp_amx_bf16_available() || K % TILE_K || (format != HP_Q4S && format != HP_Q6S && format != HP_Q8S))
+        return -1;
     if (M <= 0 || N <= 0) return 0;
     const int groups = (M + 15) / 16, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
+    const int group = format == HP_Q4S ? TILE_K : 0, per_row = group ? K / group : 0; /* Q4S's m takes row sums */
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int64_t part = (int64_t)groups * 16 * LDA(K);
-    const int64_t need = SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * (K / TILE_K); /* the parts, then the sums */
+    const int64_t need = SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * per_row; /* the parts, then the sums */
     if (need > buffer_size) {
         free(buffer);
         buffer_size = need;
@@ -642,21 +708,28 @@ int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const flo
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) split_rows(x, ldx, a, part, sums, g * 16, g * 16 + 16, M, K);
-        load_config(M < 16 ? M : 16, HP_BF16A_WIDTH);
+        for (int g = 0; g < groups; g++) split_rows(x, ldx, a, part, sums, group, g * 16, g * 16 + 16, M, K);
+        split_config(M < 16 ? M : 16, split_group(format));
+        /* NOTE: guided, as the other products */
 #pragma omp for schedule(guided)
-        for (int p = 0; p < panels; p++)
-            split_panel_product(p, a, part, sums, (const char *)packed, bias, y + (int64_t)p * HP_BF16A_WIDTH, ldy, M,
-                                N, K, groups);
+        for (int p = 0; p < panels; p++) {
+            float *yp = y + (int64_t)p * HP_BF16A_WIDTH;
+            if (format == HP_Q6S)
+                split_q6s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
+            else if (format == HP_Q8S)
+                split_q8s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
+            else
+                split_q4s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
+        }
         _tile_release();
     }
     return 0;
 }
 
 #else
-int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
-                      int M, int N, int K) {
-    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K) {
+    (void)format, (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;
     return -1;
 }
 int hp_amx_bf16_available(void) { return 0; }

@@ -999,8 +999,8 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
         linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
-    } else if (format == HP_Q4S) { /* packed only where AMX runs, as below */
-        if (hp_linear_q4s_amx(x, ldx, packed, bias, y, ldy, M, N, K))
+    } else if (format == HP_Q4S || format == HP_Q6S || format == HP_Q8S) { /* packed only where AMX runs, as below */
+        if (hp_linear_split_amx(format, x, ldx, packed, bias, y, ldy, M, N, K))
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
     } else if (format == HP_BF16A || format == HP_Q4A || format == HP_Q6A || format == HP_Q8A) {

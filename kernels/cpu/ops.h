@@ -20,7 +20,8 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask)
  * bfloat16 too, the products summed in fp32 as avx512_bf16's dot product sums them; a bfloat16 model's weights). */
 enum hp_weight_format {
     HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6M = 8, HP_Q4K = 9,
-    HP_Q5K = 10, HP_Q6K = 11, HP_BF16A = 12, HP_Q4A = 13, HP_Q6A = 14, HP_Q8A = 15, HP_Q4S = 16
+    HP_Q5K = 10, HP_Q6K = 11, HP_BF16A = 12, HP_Q4A = 13, HP_Q6A = 14, HP_Q8A = 15, HP_Q4S = 16, HP_Q6S = 17,
+    HP_Q8S = 18
 };
 /* BF16A panels: the BF16C layout with HP_BF16A_WIDTH columns a panel, two whole AMX tiles of weights (a 24-column
  * BF16C panel is a tile and a half: its second tile op runs half empty). Only AMX tiles compute them (amx.c). */
@@ -44,10 +45,10 @@ static inline int64_t hp_widened_tile_bytes(int format) {
  * 0) on AMX tiles; -1 where it cannot. */
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
                         float *y, int64_t ldy, int M, int N, int K);
-/* Q4A panels computed in fp32 on AMX tiles (HP_Q4S: the activations split into three bfloat16 parts, amx.c); -1
- * where it cannot. */
-int hp_linear_q4s_amx(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
-                      int M, int N, int K);
+/* Q4A, Q6A or Q8A panels computed in fp32 on AMX tiles (format HP_Q4S, HP_Q6S or HP_Q8S: the activations split
+ * into three bfloat16 parts, amx.c); -1 where it cannot. */
+int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                        int64_t ldy, int M, int N, int K);
 /* ids [M] = each row's argmax over the N columns of the same product, without writing it; -1 where it cannot. */
 int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
                         int64_t *ids);

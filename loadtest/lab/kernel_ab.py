@@ -61,7 +61,7 @@ from kernels.cpu import (
     KV_FORMATS,
     WEIGHT_FORMATS,
     _build,
-    as_q4s,
+    as_split,
     declare,
     find_compiler,
     pack_weight_bf16a,
@@ -140,7 +140,7 @@ def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
             q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
             d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half().float()
             weight = pack_weight_q4a(q, d, -8 * d)
-            weight = as_q4s(weight) if fmt == "q4s" else weight
+            weight = as_split(weight) if fmt == "q4s" else weight
         elif fmt == "q4s":  # the head as --format q4's, so the two differ in the projections alone
             weight = pack_weight_compact(GRIDS["q4"][0](n, k, gen))
         elif fmt in ("amx", "q4a"):

@@ -1,0 +1,104 @@
+"""A GGUF file's blocks multiplied in fp32 on AMX tiles: Q4S, Q6S and Q8S panels (``kernels/cpu/amx.c``; the bytes
+of Q4A, Q6A and Q8A panels). Not the bits of the fp32 panels' FMA chain, but fp32's accuracy: each activation split
+exactly into three bfloat16 parts, exact products, fp32 sums; and a row's bits do not depend on the other rows of
+its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cdiv, cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available() or "amx" not in cpu.bf16_dots(),
+                                reason="needs the C kernels and AMX tiles")
+
+U = 2.0**-24  # fp32's unit roundoff
+KINDS = ["q4", "q6", "q8"]
+
+
+def blocks_of(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random blocks as a GGUF file's, in QuantizedWeight's forms, and their weights' terms: (panels, d q [N, K]
+    float64, |m| [N, K] float64). q4: values 0..15, fp16 d and m per 32 inputs (Q4_1); q6: -32..31, a d per 16
+    (Q6_K's scales formed); q8: -128..127, a d per 32 (Q8_0)."""
+    per = 16 if kind == "q6" else 32
+    d = (torch.rand(n, k // per, generator=gen) * 0.01 + 0.001).half().float()
+    if kind == "q4":
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
+        m = (-8 * d - torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+        packed = cpu.pack_weight_q4a(q, d, m)
+    elif kind == "q6":
+        q = torch.randint(-32, 32, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+        m = torch.zeros(n, k // per)
+        packed = cpu.pack_weight_q6a(q, d)
+    else:
+        q = torch.randint(-128, 128, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+        m = torch.zeros(n, k // per)
+        packed = cpu.pack_weight_q8a(q, d)
+    dq = q.double().reshape(n, k) * d.double().repeat_interleave(per, dim=1)
+    return cpu.as_split(packed), dq, m.double().repeat_interleave(per, dim=1)
+
+
+def activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows of full 24-bit significands over a wide range of magnitudes, both signs."""
+    scale = torch.exp2(torch.randint(-12, 12, (m, k), generator=gen).float())
+    return torch.randn(m, k, generator=gen) * scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_hot_weights_give_each_activation_back_exactly(kind):
+    """Column j's only weight is 2^(j % 4) d at input j: y[:, j] = x[:, j] 2^(j % 4) d, one exact product. A split
+    that dropped or rounded a part of x (24 significant bits, 8 a part) would lose its low bits here."""
+    gen = torch.Generator().manual_seed(1)
+    k = n = 64
+    q = torch.zeros(n, k // 32, 32, dtype=torch.uint8 if kind == "q4" else torch.int8)
+    for j in range(n):
+        q[j, j // 32, j % 32] = 1 << (j % 4)
+    d = torch.full((n, k // (16 if kind == "q6" else 32)), 0.25)
+    packed = {"q4": lambda: cpu.pack_weight_q4a(q, d, torch.zeros_like(d)), "q6": lambda: cpu.pack_weight_q6a(q, d),
+              "q8": lambda: cpu.pack_weight_q8a(q, d)}[kind]()
+    x = activations(21, k, gen)
+    want = x * torch.tensor([2.0 ** (j % 4) * 0.25 for j in range(n)])
+    assert torch.equal(cpu.linear(x, cpu.as_split(packed), n), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 100), (32, 49)])  # whole panels; a partial last; one block
+def test_products_are_fp32_accurate(kind, rows, k, n):
+    """Against float64 over the same weights (d q + m, unrounded), every output within the error of an fp32 sum of
+    its terms and of the per-block sums of d and m: (K + 40) u (sum_k |x_k| (|d q_k| + |m|)), and the bias added."""
+    gen = torch.Generator().manual_seed(rows * 7 + k)
+    packed, dq, m = blocks_of(kind, n, k, gen)
+    x, bias = activations(rows, k, gen), torch.randn(n, generator=gen)
+    want = x.double() @ (dq + m).T + bias.double()
+    bound = (k + 40) * U * (x.double().abs() @ (dq.abs() + m.abs()).T) + U * want.abs()
+    got = cpu.linear(x, packed, n, bias).double()
+    assert bool(((got - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 100)])
+def test_a_rows_bits_do_not_depend_on_its_batch(kind, k, n):
+    """A row alone, among 16 (one tile of rows), 17 (two, the second nearly empty) or 64, first or last: the same
+    bits, as greedy tokens must not depend on what else is in the batch."""
+    gen = torch.Generator().manual_seed(k)
+    packed, _, _ = blocks_of(kind, n, k, gen)
+    x = activations(64, k, gen)
+    alone = torch.cat([cpu.linear(x[i:i + 1].clone(), packed, n) for i in range(64)])
+    for rows in (16, 17, 64):
+        assert torch.equal(cpu.linear(x[:rows], packed, n), alone[:rows]), rows
+    flipped = cpu.linear(x.flip(0).contiguous(), packed, n)
+    assert torch.equal(flipped.flip(0), alone)
+
+
+def test_split_panels_are_the_widened_panels_bytes_and_only_those():
+    gen = torch.Generator().manual_seed(0)
+    for kind, name in (("q4", "Q4S"), ("q6", "Q6S"), ("q8", "Q8S")):
+        panels, _, _ = blocks_of(kind, 40, 64, gen)
+        assert cpu.FORMAT_NAMES[panels.dtype] == name
+        assert cpu.packed_geometry(panels) == (64, cdiv(40, 32) * 32)
+        with pytest.raises(ValueError, match="AMX products only"):
+            cpu.embed_rows(panels, torch.tensor([0]), 40)
+    with pytest.raises(ValueError, match="Q8A panels' bytes"):
+        cpu.as_split(cpu.pack_weight_bf16a(torch.zeros(32, 64)))
