@@ -307,7 +307,7 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     """A Q4_K_M-mix file (Q4_K, Q6_K output and some attn_v/ffn_down, so a fused q/k/v of mixed types) runs from
     its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it).
     Where the CPU has AMX, both bodies of the projections (start-up's timing overruled): the block panels' FMAs, and
-    the tiles in fp32 (Q4S and Q6S panels, test_split_tiles.py); the LM head keeps its block panels."""
+    the tiles in fp32 (Q4S and Q6S panels, test_split_tiles.py), the Q6_K LM head with them."""
     from transformers import AutoModelForCausalLM
 
     from engine.backends import widened
@@ -331,7 +331,7 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     assert split.head.out_features == 256 + 128 and split.tail.out_features == 128
     assert formats["layers.1.self_attn.qkv_proj"] == q4
     assert formats["layers.0.mlp.down_proj"] == q6 and formats["layers.1.mlp.down_proj"] == q4
-    assert formats["lm_head"] == "Q6K" and formats["layers.0.mlp.gate_up_proj"] == q4
+    assert formats["lm_head"] == q6 and formats["layers.0.mlp.gate_up_proj"] == q4
     assert llm.engine.memory_ledger.weights < 1.25 * path.stat().st_size
 
     prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]

@@ -98,7 +98,19 @@ def test_split_panels_are_the_widened_panels_bytes_and_only_those():
         panels, _, _ = blocks_of(kind, 40, 64, gen)
         assert cpu.FORMAT_NAMES[panels.dtype] == name
         assert cpu.packed_geometry(panels) == (64, cdiv(40, 32) * 32)
-        with pytest.raises(ValueError, match="AMX products only"):
-            cpu.embed_rows(panels, torch.tensor([0]), 40)
     with pytest.raises(ValueError, match="Q8A panels' bytes"):
         cpu.as_split(cpu.pack_weight_bf16a(torch.zeros(32, 64)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lookups_read_each_weight_from_the_panels(kind):
+    """A tied LM head of a split format is the embedding table too: rows read from its panels are the weights, d q +
+    m in fp32 (one rounding; exact where there is no m), for columns in either tile of a panel and in a partial last
+    panel."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 70, 96
+    packed, dq, m = blocks_of(kind, n, k, gen)
+    ids = torch.tensor([0, 7, 8, 15, 16, 23, 31, 32, 47, 69, 5])
+    assert torch.equal(cpu.embed_rows(packed, ids, n), (dq + m)[ids].float())  # d q exact, + m rounded once
+    with pytest.raises(IndexError):
+        cpu.embed_rows(packed, torch.tensor([n]), n)

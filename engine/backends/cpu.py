@@ -78,6 +78,9 @@ F32_BODY_ROWS = (16, 64)
 # Rows at which an fp32 process times a GGUF file's blocks on AMX (Q4S/Q6S/Q8S panels) against their FMAs: a stream's
 # decode, and batches of decodes or a prompt chunk, as BF16_DOT_ROWS.
 SPLIT_ROWS = (1, 16, 64)
+# Weights (as bytes of bfloat16) over which they are timed: the tiles save FMAs, not bytes, so a working set past L2
+# shows it, and more layers only lengthen the start (a 1B model's first 9 layers timed both ways took ~3 s of it).
+SPLIT_TIMING_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,8 @@ class CpuBackend(TorchBackend):
         head = None  # an LM head of its own widened from its GGUF blocks keeps that kernel
         if model.lm_head.quantized is not None:
             head = pack_blocks(model.lm_head.take_quantized())
+        elif self.split_body == "tiles" and model.lm_head in kernels:  # fp32 on the tiles: lookups read it too
+            head = kernels[model.lm_head].packed
         elif model.lm_head not in kernels:
             head = self._pack_dense("lm_head", model.lm_head.release_weight(), pack if bf16 else pack_head)
         if head is not None:
@@ -301,14 +306,19 @@ class CpuBackend(TorchBackend):
         where start-up times those faster than their block panels' FMAs on the first layers (``widened.timed``);
         else none, and the blocks stay with their modules. Each weight's format is one body for every batch size,
         so tokens do not depend on the batch."""
-        tied = model.lm_head if model.tie_word_embeddings else None
-        modules = [m for m in model.modules() if isinstance(m, Linear) and m is not tied and m is not model.lm_head
+        modules = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head
                    and widened.kind_of(m.quantized)]
         if not modules:
             return {}
+        # NOTE: an LM head of Q8 panels (Q8_0) keeps them for its int8 screen (greedy_head.py), which start-up
+        # times against the exact head; a Q4 or Q6 head (a Q4_K_M file's Q6_K output) has no screen, and its full
+        # product at every step took 28% of a 1B model's 16-client step on the FMAs, so it follows the layers.
+        if widened.kind_of(model.lm_head.quantized) in ("q4", "q6"):
+            modules.append(model.lm_head)
         pack = _each_part(partial(_pack_split, cache=self.panel_cache))
         rival = _each_part(partial(_pack_quantized, cache=self.panel_cache))
-        made, seconds = widened.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack)
+        made, seconds = widened.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack,
+                                      SPLIT_TIMING_BYTES)
         self.split_body = "tiles" if widened.faster(seconds) else "FMAs"
         if self.split_body != "tiles":
             return {}

@@ -95,10 +95,11 @@ def split_panels(blocks: Blocks) -> Panels:
 
 def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int, ...],
           rival: tuple[str, Callable[[Blocks], Panels]],
-          mine: Callable[[Blocks], Panels] = panels) -> tuple[dict[Linear, Panels], dict[str, float]]:
+          mine: Callable[[Blocks], Panels] = panels,
+          budget: int = TIMING_BYTES) -> tuple[dict[Linear, Panels], dict[str, float]]:
     """``mine`` (the widened panels) of the first layers' projections in ``taken``, and the seconds AMX takes to
     multiply those, and the rival's panels (a name and its packing) the same products, at each of ``rows``, summed.
-    Over every such projection of as many layers as TIMING_BYTES of bfloat16 hold, as a step streams them. NOTE: the
+    Over every such projection of as many layers as ``budget`` bytes of bfloat16 hold, as a step streams them. NOTE: the
     saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large L3, ten
     layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
     name, pack_rival = rival
@@ -107,7 +108,7 @@ def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int,
     size = 0
     for layer in model.layers:
         modules = [m for m in layer.modules() if m in taken]
-        if not modules or size >= TIMING_BYTES:
+        if not modules or size >= budget:
             break
         for module in modules:
             made[module] = mine(taken[module])

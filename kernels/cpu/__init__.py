@@ -596,7 +596,7 @@ def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.
     in_features, columns = packed_geometry(packed)
     if columns < num_rows:
         raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
-    if packed.dtype in WIDENED_TILE_BYTES:
+    if packed.dtype in WIDENED_TILE_BYTES and packed.dtype not in SPLIT_DTYPES.values():
         raise ValueError(f"{FORMAT_NAMES[packed.dtype]} panels are read by AMX products only, not by lookups")
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)

@@ -1372,6 +1372,37 @@ static void linear_q8x(int format, const float *x, int64_t ldx, const void *pack
     }
 }
 
+/* Column n of Q4S, Q6S or Q8S panels (the tiles' layouts: kernels/cpu/__init__.py's pack_weight_q4a/q6a/q8a) as its
+ * K weights in fp32: Q4S d q + m in one rounding, as the Q4 panels' lanes; Q6S d (q - 32) and Q8S d q, exact. */
+static void split_column(int format, const char *packed, int64_t n, int K, float *row) {
+    const int64_t tile = format == HP_Q6S   ? HP_Q6A_TILE_BYTES
+                         : format == HP_Q8S ? HP_Q8A_TILE_BYTES
+                                            : HP_Q4A_TILE_BYTES;
+    const int64_t p = n / HP_BF16A_WIDTH, high = n % HP_BF16A_WIDTH / 8 % 2, c = n % 16, at = 2 * (c % 8);
+    for (int b = 0; b < K / 32; b++) {
+        const char *t = packed + ((p * (K / 32) + b) * 2 + n % HP_BF16A_WIDTH / 16) * tile;
+        const float *scales = (const float *)t;
+        for (int kk = 0; kk < 32; kk++) {
+            const int r = kk / 2, e = kk % 2; /* the tile's row (a pair of k) and the pair's element */
+            float v;
+            if (format == HP_Q8S) {
+                v = scales[c] * (float)(int8_t)t[64 + 32 * r + 16 * high + at + e];
+            } else {
+                const uint8_t byte = (uint8_t)t[128 + 16 * r + at + e];
+                int q = high ? byte >> 4 : byte & 15;
+                if (format == HP_Q4S) {
+                    v = fmaf(scales[c], (float)q, scales[16 + c]);
+                } else {
+                    const uint8_t bits = (uint8_t)t[384 + 16 * (r / 2) + at + e];
+                    q |= (bits >> (4 * (r % 2) + 2 * high) & 3) << 4;
+                    v = scales[16 * (kk / 16) + c] * (float)(q - 32);
+                }
+            }
+            row[b * 32 + kk] = v;
+        }
+    }
+}
+
 /* Rows of a weight [N, K] held as panels of any format of enum hp_weight_format but HP_I8: out[t] = w[ids[t]], the
  * very fp32 values the products use. Why: a tied LM head is also the embedding table, and reading the lookups from
  * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 3.6 times its Q8 panels' 32 MB).
@@ -1384,6 +1415,10 @@ int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *i
     for (int t = 0; t < T; t++) {
         const int64_t p = ids[t] / NR, col = ids[t] % NR;
         float *row = out + (int64_t)t * K;
+        if (format == HP_Q4S || format == HP_Q6S || format == HP_Q8S) {
+            split_column(format, (const char *)packed, ids[t], K, row);
+            continue;
+        }
         if (format == HP_BF16A) { /* [panels, K / 2, width, 2] bfloat16 */
             const int64_t w = HP_BF16A_WIDTH, pa = ids[t] / w, ca = ids[t] % w;
             const uint16_t *panel = (const uint16_t *)packed + pa * K * w;
