@@ -60,15 +60,16 @@ struct tile_config {
 };
 
 /* Tiles: 0-3 accumulators (row groups 0 and 1 x column tiles 0 and 1), 4-5 activations (row groups 0 and 1),
- * 6-7 weights (column tiles 0 and 1). Column tile 0 is a panel's first 16 columns, tile 1 the other nr - 16. */
-static void load_config(int rows, int nr) {
+ * 6-7 weights (column tiles 0 and 1). Column tile 0 is a panel's first 16 columns, tile 1 the other nr - 16. A tile
+ * op sums `step` inputs (TILE_K; 16 for Q6S's scales per 16 inputs). */
+static void load_config(int rows, int nr, int step) {
     struct tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     const uint16_t wide = 64, narrow = (uint16_t)((nr - 16) * 4);
     for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = t % 2 ? narrow : wide;
-    c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = TILE_K * 2;
-    c.rows[6] = c.rows[7] = TILE_K / 2, c.colsb[6] = wide, c.colsb[7] = narrow;
+    c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = (uint16_t)(step * 2);
+    c.rows[6] = c.rows[7] = (uint8_t)(step / 2), c.colsb[6] = wide, c.colsb[7] = narrow;
     /* NOTE: GCC's _tile_loadconfig tells the compiler it reads 8 bytes of c, so inlined where the stores to the rest
      * could be dropped (they were: ldtilecfg faulted on a config of zeros); the barrier keeps every store. */
     __asm__ volatile("" : : "r"(&c) : "memory");
@@ -315,26 +316,28 @@ static int amx_fits(int nr, int widened, int K) {
            (!widened || (nr == HP_BF16A_WIDTH && (widened == HP_Q4A || widened == HP_Q6A || widened == HP_Q8A)));
 }
 
-/* This thread's buffer for M rows of K rounded to bfloat16 (rows LDA(K) apart, whole groups of 16), grown as needed
- * and kept: a decode step asks for it ~4 times a layer. */
-static uint16_t *rows_buffer(int M, int K) {
+/* This thread's buffer of at least `values` bfloat16 values, grown as needed and kept. */
+static uint16_t *thread_buffer(int64_t values) {
     static __thread uint16_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
-    const int64_t need = (int64_t)((M + 15) / 16) * 16 * LDA(K);
-    if (need > buffer_size) {
+    if (values > buffer_size) {
         free(buffer);
-        buffer_size = need;
-        buffer = (uint16_t *)aligned_alloc(64, (size_t)need * 2);
+        buffer_size = values;
+        buffer = (uint16_t *)aligned_alloc(64, (size_t)values * 2);
     }
     return buffer;
 }
+
+/* This thread's buffer for M rows of K rounded to bfloat16 (rows LDA(K) apart, whole groups of 16), grown as needed
+ * and kept: a decode step asks for it ~4 times a layer. */
+static uint16_t *rows_buffer(int M, int K) { return thread_buffer((int64_t)((M + 15) / 16) * 16 * LDA(K)); }
 
 /* The rows of x rounded into a, the groups shared out among the threads of the enclosing parallel region; then each
  * thread's tiles configured. */
 static void start_tiles(const float *x, int64_t ldx, uint16_t *a, int M, int K, int nr) {
 #pragma omp for schedule(static)
     for (int g = 0; g < (M + 15) / 16; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
-    load_config(M < 16 ? M : 16, nr);
+    load_config(M < 16 ? M : 16, nr, TILE_K);
 }
 
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
@@ -474,9 +477,6 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
  * batch. The backend takes these bodies only where start-up times them faster. */
 #define SPLIT_PARTS 3
 
-static inline int split_tile_bytes(int format) {
-    return format == HP_Q6S ? HP_Q6A_TILE_BYTES : format == HP_Q8S ? HP_Q8A_TILE_BYTES : HP_Q4A_TILE_BYTES;
-}
 /* Inputs per scale (d, m) of a format: its blocks, the tile ops' k step (Q6: two steps of 16 a tile). */
 static inline int split_group(int format) { return format == HP_Q6S ? 16 : TILE_K; }
 
@@ -541,19 +541,6 @@ static inline __attribute__((always_inline)) void split_widen(int format, const 
     }
 }
 
-/* Tiles: 0-3 accumulators (two sets of a row group x two column tiles, taking turns), 4-5 activations (the parts in
- * turn), 6-7 weights; a tile op sums `step` inputs (32, or 16 for Q6S's scales per 16). */
-static void split_config(int rows, int step) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
-    c.rows[4] = c.rows[5] = (uint8_t)rows, c.colsb[4] = c.colsb[5] = (uint16_t)(step * 2);
-    c.rows[6] = c.rows[7] = (uint8_t)(step / 2), c.colsb[6] = c.colsb[7] = 64;
-    __asm__ volatile("" : : "r"(&c) : "memory"); /* as load_config */
-    _tile_loadconfig(&c);
-}
-
 /* One job's tile sums (a row group, one k step: three parts, two tiles) into accumulator tiles ACC0 and ACC1, the
  * parts' activations loaded into tiles 4 and 5 in turn; tiles 6 and 7 hold the step's weights. */
 #define SPLIT_JOB(ACC0, ACC1, ag, part, lda)                                                                          \
@@ -589,7 +576,7 @@ static inline __attribute__((always_inline)) void split_store(int set, float *s)
 static inline __attribute__((always_inline)) void split_epilogue(int format, const float *s, const char *t0,
                                                                  const float *sums, int j, int per_row, int g, int M,
                                                                  float *acc) {
-    const char *t1 = t0 + split_tile_bytes(format);
+    const char *t1 = t0 + hp_widened_tile_bytes(format);
     const int at = format == HP_Q6S ? 64 * (j % 2) : 0;
     const __m512 d0 = _mm512_loadu_ps(t0 + at), d1 = _mm512_loadu_ps(t1 + at);
     const __m512 m0 = format == HP_Q4S ? _mm512_loadu_ps(t0 + 64) : d0; /* unused but by Q4S */
@@ -632,7 +619,7 @@ static inline __attribute__((always_inline)) void split_panel_product(int format
         acc = (float *)aligned_alloc(64, sizeof(float) * 32 * (size_t)acc_rows);
     }
     float s[2][16 * 32] __attribute__((aligned(64)));
-    const int tile = split_tile_bytes(format), step = split_group(format), steps = TILE_K / step;
+    const int tile = hp_widened_tile_bytes(format), step = split_group(format), steps = TILE_K / step;
     const int blocks = K / TILE_K, per_row = K / step, n0 = p * HP_BF16A_WIDTH, lda = LDA(K) * 2;
     const int cols = N - n0 < 32 ? N - n0 : 32;
     const char *panel = packed + (int64_t)p * blocks * 2 * tile;
@@ -689,27 +676,20 @@ SPLIT_BODY(split_q8s, HP_Q8S)
 
 int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                         int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K || (format != HP_Q4S && format != HP_Q6S && format != HP_Q8S))
+    if (!hp_amx_bf16_available() || K % TILE_K || !hp_split_format(format))
         return -1;
     if (M <= 0 || N <= 0) return 0;
     const int groups = (M + 15) / 16, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
     const int group = format == HP_Q4S ? TILE_K : 0, per_row = group ? K / group : 0; /* Q4S's m takes row sums */
-    static __thread uint16_t *buffer = 0;
-    static __thread int64_t buffer_size = 0;
     const int64_t part = (int64_t)groups * 16 * LDA(K);
-    const int64_t need = SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * per_row; /* the parts, then the sums */
-    if (need > buffer_size) {
-        free(buffer);
-        buffer_size = need;
-        buffer = (uint16_t *)aligned_alloc(64, (size_t)need * 2);
-    }
-    uint16_t *a = buffer; /* NOTE: a local: inside the parallel region, each thread would see its own */
+    /* the parts, then the sums; NOTE: a local: inside the parallel region, each thread would see its own buffer */
+    uint16_t *a = thread_buffer(SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * per_row);
     float *sums = (float *)(a + SPLIT_PARTS * part);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) split_rows(x, ldx, a, part, sums, group, g * 16, g * 16 + 16, M, K);
-        split_config(M < 16 ? M : 16, split_group(format));
+        load_config(M < 16 ? M : 16, HP_BF16A_WIDTH, split_group(format)); /* accumulator sets take turns */
         /* NOTE: guided, as the other products */
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++) {

@@ -999,14 +999,14 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
         LINEAR_LOOP(bias, 0, BF16_PANELS)
     } else if (format == HP_BF16C) {
         linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
-    } else if (format == HP_Q4S || format == HP_Q6S || format == HP_Q8S) { /* packed only where AMX runs, as below */
-        if (hp_linear_split_amx(format, x, ldx, packed, bias, y, ldy, M, N, K))
-            for (int m = 0; m < M; m++)
-                for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
-    } else if (format == HP_BF16A || format == HP_Q4A || format == HP_Q6A || format == HP_Q8A) {
+    } else if (hp_split_format(format) || format == HP_BF16A || format == HP_Q4A || format == HP_Q6A ||
+               format == HP_Q8A) {
         /* packed only where AMX runs (kernels/cpu/__init__.py): NaN, never garbage */
-        if (hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_BF16A ? 0 : format, bias, y, ldy, M, N,
-                                K))
+        const int failed = hp_split_format(format)
+                               ? hp_linear_split_amx(format, x, ldx, packed, bias, y, ldy, M, N, K)
+                               : hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_BF16A ? 0 : format,
+                                                     bias, y, ldy, M, N, K);
+        if (failed)
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
     } else {
@@ -1375,9 +1375,7 @@ static void linear_q8x(int format, const float *x, int64_t ldx, const void *pack
 /* Column n of Q4S, Q6S or Q8S panels (the tiles' layouts: kernels/cpu/__init__.py's pack_weight_q4a/q6a/q8a) as its
  * K weights in fp32: Q4S d q + m in one rounding, as the Q4 panels' lanes; Q6S d (q - 32) and Q8S d q, exact. */
 static void split_column(int format, const char *packed, int64_t n, int K, float *row) {
-    const int64_t tile = format == HP_Q6S   ? HP_Q6A_TILE_BYTES
-                         : format == HP_Q8S ? HP_Q8A_TILE_BYTES
-                                            : HP_Q4A_TILE_BYTES;
+    const int64_t tile = hp_widened_tile_bytes(format);
     const int64_t p = n / HP_BF16A_WIDTH, high = n % HP_BF16A_WIDTH / 8 % 2, c = n % 16, at = 2 * (c % 8);
     for (int b = 0; b < K / 32; b++) {
         const char *t = packed + ((p * (K / 32) + b) * 2 + n % HP_BF16A_WIDTH / 16) * tile;
@@ -1415,7 +1413,7 @@ int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *i
     for (int t = 0; t < T; t++) {
         const int64_t p = ids[t] / NR, col = ids[t] % NR;
         float *row = out + (int64_t)t * K;
-        if (format == HP_Q4S || format == HP_Q6S || format == HP_Q8S) {
+        if (hp_split_format(format)) {
             split_column(format, (const char *)packed, ids[t], K, row);
             continue;
         }

@@ -37,8 +37,13 @@ int hp_amx_bf16_available(void);
 #define HP_Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16)
 #define HP_Q6A_TILE_BYTES (HP_Q4A_TILE_BYTES + 8 * 16)
 #define HP_Q8A_TILE_BYTES (16 * 4 + 16 * 32)
+/* Q4S, Q6S and Q8S panels: the bytes of Q4A, Q6A and Q8A panels, multiplied in fp32 (amx.c). */
+static inline int hp_split_format(int format) { return format == HP_Q4S || format == HP_Q6S || format == HP_Q8S; }
+/* A tile's bytes of a widened format, or of the split format of the same bytes. */
 static inline int64_t hp_widened_tile_bytes(int format) {
-    return format == HP_Q6A ? HP_Q6A_TILE_BYTES : format == HP_Q8A ? HP_Q8A_TILE_BYTES : HP_Q4A_TILE_BYTES;
+    return format == HP_Q6A || format == HP_Q6S   ? HP_Q6A_TILE_BYTES
+           : format == HP_Q8A || format == HP_Q8S ? HP_Q8A_TILE_BYTES
+                                                  : HP_Q4A_TILE_BYTES;
 }
 
 /* BF16C panels nr columns wide, BF16A panels (nr 32), or Q4A, Q6A or Q8A panels (nr 32, widened their format; else
