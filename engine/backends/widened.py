@@ -88,9 +88,14 @@ def multiply(packed: Panels, x: torch.Tensor) -> None:
 
 def split_panels(blocks: Blocks) -> Panels:
     """``blocks`` as Q4S, Q6S or Q8S panels: the widened panels' bytes, multiplied in fp32 on AMX
-    (``kernels/cpu/amx.c``); each part of a fused projection of two types."""
-    packed = panels(blocks)
-    return tuple(map(cpu_kernels.as_split, packed)) if isinstance(packed, tuple) else cpu_kernels.as_split(packed)
+    (``kernels/cpu/amx.c``); each part of a fused projection of two types. A file's Q4_K blocks as Q4KS panels
+    instead: the same products from the file's own scales, in 0.58 bytes a weight where Q4S takes 0.75 (an 8B
+    Q4_K_M's weights 6.0 GB against its file's 4.9)."""
+    if isinstance(blocks, SplitBlocks):
+        return split_panels(blocks.head), split_panels(blocks.tail)
+    if isinstance(blocks, FileBlocks) and blocks.type_id == cpu_kernels.GGML_Q4_K:
+        return cpu_kernels.pack_gguf_q4ks(blocks.addresses(), blocks.in_features)
+    return cpu_kernels.as_split(panels(blocks))
 
 
 def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int, ...],

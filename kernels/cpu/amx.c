@@ -462,7 +462,8 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 }
 
 /* fp32 products of a GGUF file's blocks on AMX tiles: Q4S, Q6S and Q8S panels (the bytes of Q4A, Q6A and Q8A
- * panels), to fp32's accuracy, not bfloat16's.
+ * panels), and Q4KS panels (a Q4_K weight's values as Q4S's, its scales kept per super-block as the file keeps them),
+ * to fp32's accuracy, not bfloat16's.
  *
  * Why: a block's weight is d q + m with an integer q (Q4: 0..15 and an m; Q6: -32..31, a d per 16 inputs, no m;
  * Q8: -128..127, no m), which bfloat16 holds exactly, and an fp32 activation x is exactly the sum of three
@@ -512,21 +513,37 @@ static void split_rows(const float *x, int64_t ldx, uint16_t *a, int64_t part, f
     }
 }
 
-/* Tile t of a Q4A panel (16 columns x 32 inputs) as its q (0..15) in bfloat16, exact, in WIDENED's layout at out:
- * each row's low nibbles then its high nibbles, as widen_q4a places them (a table look-up, not widen_q4a's
- * conversions). */
-static inline __attribute__((always_inline)) void widen_q4_values(const char *tile, uint16_t *out) {
+/* A tile's nibbles (16 columns x 32 inputs, Q4A's 16 rows of 16 bytes at nib) as its q (0..15) in bfloat16, exact,
+ * in WIDENED's layout at out: each row's low nibbles then its high nibbles, as widen_q4a places them (a table
+ * look-up, not widen_q4a's conversions). */
+static inline __attribute__((always_inline)) void widen_q4_values(const char *nib, uint16_t *out) {
     const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
                                             0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160,
                                             0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
                                             0x4080, 0x4040, 0x4000, 0x3f80, 0); /* bfloat16 of 0..15, twice */
     const __m128i low = _mm_set1_epi8(15);
-    const char *nib = tile + 128;
     for (int r = 0; r < 16; r++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * r));
         const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
         _mm512_store_si512(out + 32 * r, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), values));
     }
+}
+
+/* Where block b (of K / 32) of a panel keeps its two tiles' q: Q4KS's nibbles inside their super-block, the other
+ * formats' whole tiles (their scales first). */
+static inline __attribute__((always_inline)) const char *split_block(int format, const char *panel, int b) {
+    if (format == HP_Q4KS)
+        return panel + (int64_t)(b / 8) * HP_Q4KS_SUPER_BYTES + 2 * HP_Q4KS_HEAD_BYTES +
+               (b % 8) * 2 * HP_Q4KS_NIBBLE_BYTES;
+    return panel + (int64_t)b * 2 * hp_widened_tile_bytes(format);
+}
+
+/* The bytes of a block's q at split_block (Q4KS's header aside) and of one panel of K inputs. */
+static inline int split_block_bytes(int format) {
+    return format == HP_Q4KS ? 2 * HP_Q4KS_NIBBLE_BYTES : 2 * (int)hp_widened_tile_bytes(format);
+}
+static inline int64_t split_panel_bytes(int format, int K) {
+    return format == HP_Q4KS ? (int64_t)(K / 256) * HP_Q4KS_SUPER_BYTES : (int64_t)(K / TILE_K) * split_block_bytes(format);
 }
 
 /* A block's two tiles (16 columns each) of q values at out (2 x 512 bfloat16). */
@@ -535,10 +552,43 @@ static inline __attribute__((always_inline)) void split_widen(int format, const 
         widen_q6(block, 0, 2, out, 0);
     } else if (format == HP_Q8S) {
         widen_q8(block, 0, 2, out, 0);
-    } else {
+    } else if (format == HP_Q4KS) {
         widen_q4_values(block, out);
-        widen_q4_values(block + HP_Q4A_TILE_BYTES, out + 512);
+        widen_q4_values(block + HP_Q4KS_NIBBLE_BYTES, out + 512);
+    } else {
+        widen_q4_values(block + 128, out);
+        widen_q4_values(block + HP_Q4A_TILE_BYTES + 128, out + 512);
     }
+}
+
+/* 16 bytes at p as floats. */
+static inline __attribute__((always_inline)) __m512 byte_floats(const char *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Block b's scales (64 floats at out): d of its first tile's 16 columns, of its second's, then m of each (Q4S,
+ * Q4KS) or d of their inputs 16-31 (Q6S; Q8S none). Q4KS forms them from its super-block's header as gguf_pack.c
+ * forms Q4S's from the file, d sc and -(dmin mn), each one exact product: the same values, so the same bits. Why
+ * once a block, into a ring: a batch's row groups each take them, and forming them per row group cost 6% at 64
+ * rows. */
+static inline __attribute__((always_inline)) void split_scales(int format, const char *panel, int b, float *out) {
+    if (format == HP_Q4KS) {
+        const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+        for (int t = 0; t < 2; t++) {
+            const char *h = panel + (int64_t)(b / 8) * HP_Q4KS_SUPER_BYTES + t * HP_Q4KS_HEAD_BYTES;
+            const __m512 dmin_mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))),
+                                                 byte_floats(h + 64 + 128 + 16 * (b % 8)));
+            _mm512_store_ps(out + 16 * t, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)),
+                                                        byte_floats(h + 64 + 16 * (b % 8))));
+            _mm512_store_ps(out + 32 + 16 * t, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin_mn),
+                                                                                    sign)));
+        }
+        return;
+    }
+    const char *t0 = split_block(format, panel, b), *t1 = t0 + hp_widened_tile_bytes(format);
+    _mm512_store_ps(out, _mm512_loadu_ps(t0)), _mm512_store_ps(out + 16, _mm512_loadu_ps(t1));
+    if (format != HP_Q8S)
+        _mm512_store_ps(out + 32, _mm512_loadu_ps(t0 + 64)), _mm512_store_ps(out + 48, _mm512_loadu_ps(t1 + 64));
 }
 
 /* One job's tile sums (a row group, one k step: three parts, two tiles) into accumulator tiles ACC0 and ACC1, the
@@ -570,24 +620,21 @@ static inline __attribute__((always_inline)) void split_store(int set, float *s)
     }
 }
 
-/* A job's stored sums s (row group g, scale group j of the row, the block's two tiles at t0) into the rows'
- * accumulators: acc += d S (+ m X for Q4S), per row of group g that is one of M's. Q4S's d and m lead each tile,
- * Q6S's two d (inputs 0-15, 16-31), Q8S's d. */
-static inline __attribute__((always_inline)) void split_epilogue(int format, const float *s, const char *t0,
+/* A job's stored sums s (row group g, scale group j of the row, its block's scales at sc: split_scales) into the
+ * rows' accumulators: acc += d S (+ m X for Q4S and Q4KS), per row of group g that is one of M's. */
+static inline __attribute__((always_inline)) void split_epilogue(int format, const float *s, const float *sc,
                                                                  const float *sums, int j, int per_row, int g, int M,
                                                                  float *acc) {
-    const char *t1 = t0 + hp_widened_tile_bytes(format);
-    const int at = format == HP_Q6S ? 64 * (j % 2) : 0;
-    const __m512 d0 = _mm512_loadu_ps(t0 + at), d1 = _mm512_loadu_ps(t1 + at);
-    const __m512 m0 = format == HP_Q4S ? _mm512_loadu_ps(t0 + 64) : d0; /* unused but by Q4S */
-    const __m512 m1 = format == HP_Q4S ? _mm512_loadu_ps(t1 + 64) : d1;
+    const int at = format == HP_Q6S ? 32 * (j % 2) : 0;
+    const __m512 d0 = _mm512_load_ps(sc + at), d1 = _mm512_load_ps(sc + at + 16);
+    const __m512 m0 = _mm512_load_ps(sc + 32), m1 = _mm512_load_ps(sc + 48); /* unused but by Q4S, Q4KS */
     const int rows = M - 16 * g < 16 ? M - 16 * g : 16;
     for (int r = 0; r < rows; r++) {
         float *ar = acc + 32 * (16 * g + r);
         __m512 lo = _mm512_fmadd_ps(d0, _mm512_load_ps(s + 32 * r), j ? _mm512_load_ps(ar) : _mm512_setzero_ps());
         __m512 hi = _mm512_fmadd_ps(d1, _mm512_load_ps(s + 32 * r + 16),
                                     j ? _mm512_load_ps(ar + 16) : _mm512_setzero_ps());
-        if (format == HP_Q4S) {
+        if (format == HP_Q4S || format == HP_Q4KS) {
             const __m512 x = _mm512_set1_ps(sums[(int64_t)(16 * g + r) * per_row + j]);
             lo = _mm512_fmadd_ps(m0, x, lo), hi = _mm512_fmadd_ps(m1, x, hi);
         }
@@ -598,8 +645,9 @@ static inline __attribute__((always_inline)) void split_epilogue(int format, con
 
 #define SPLIT_RING 4  /* widened blocks in flight: block b + SPLIT_AHEAD is widened while block b's tiles load */
 #define SPLIT_AHEAD 2
+#define SCALE_RING 8 /* blocks' scales in flight: from the widening SPLIT_AHEAD blocks on to the epilogue two jobs back */
 
-/* Panel p of Q4S, Q6S or Q8S products for every row. Per 32 inputs, the panel's q widened to bfloat16 (two blocks
+/* Panel p of Q4S, Q6S, Q8S or Q4KS products for every row. Per 32 inputs, the panel's q widened to bfloat16 (two blocks
  * ahead, so a tile load does not wait on the vector stores that wrote it); then per k step (one, or Q6S's two) the
  * step's weights into tiles 6 and 7 and one job of tile sums per row group. Each job's sums are stored once the next
  * job's tile ops are issued, and taken into the accumulators one job later still (two sets of accumulator tiles, two
@@ -610,31 +658,38 @@ static inline __attribute__((always_inline)) void split_panel_product(int format
                                                                       float *yp, int64_t ldy, int M, int N, int K,
                                                                       int groups) {
     static __thread uint16_t *ring = 0;
+    static __thread float *scales = 0; /* SCALE_RING blocks' split_scales */
     static __thread float *acc = 0;
     static __thread int64_t acc_rows = 0;
     if (!ring) ring = (uint16_t *)aligned_alloc(64, SPLIT_RING * 1024 * 2);
+    if (!scales) scales = (float *)aligned_alloc(64, SCALE_RING * 64 * sizeof(float));
     if (groups * 16 > acc_rows) {
         free(acc);
         acc_rows = groups * 16;
         acc = (float *)aligned_alloc(64, sizeof(float) * 32 * (size_t)acc_rows);
     }
     float s[2][16 * 32] __attribute__((aligned(64)));
-    const int tile = hp_widened_tile_bytes(format), step = split_group(format), steps = TILE_K / step;
+    const int step = split_group(format), steps = TILE_K / step, block_bytes = split_block_bytes(format);
     const int blocks = K / TILE_K, per_row = K / step, n0 = p * HP_BF16A_WIDTH, lda = LDA(K) * 2;
     const int cols = N - n0 < 32 ? N - n0 : 32;
-    const char *panel = packed + (int64_t)p * blocks * 2 * tile;
-#define BLOCK_AT(b) (panel + (int64_t)(b) * 2 * tile)
+    const char *panel = packed + (int64_t)p * split_panel_bytes(format, K);
+#define BLOCK_AT(b) split_block(format, panel, b)
+#define SCALES(b) (scales + (b) % SCALE_RING * 64)
     for (int b = 0; b < SPLIT_AHEAD && b < blocks; b++)
-        split_widen(format, BLOCK_AT(b), ring + (b % SPLIT_RING) * 1024);
+        split_widen(format, BLOCK_AT(b), ring + (b % SPLIT_RING) * 1024), split_scales(format, panel, b, SCALES(b));
     int j = 0, job_k[3] = {0, 0, 0}, job_g[3] = {0, 0, 0}; /* job j's k step and row group at [j % 3] */
 #define EPILOGUE(i)                                                                                                   \
-    split_epilogue(format, s[(i) % 2], BLOCK_AT(job_k[(i) % 3] / steps), sums, job_k[(i) % 3], per_row,             \
+    split_epilogue(format, s[(i) % 2], SCALES(job_k[(i) % 3] / steps), sums, job_k[(i) % 3], per_row,              \
                    job_g[(i) % 3], M, acc)
     for (int b = 0; b < blocks; b++) {
         const int ahead = b + SPLIT_AHEAD;
         if (ahead < blocks) {
-            for (int i = 0; i < 2 * tile; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
+            for (int i = 0; i < block_bytes; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
+            if (format == HP_Q4KS && (ahead + 2) % 8 == 0) /* its super-block's header */
+                for (int i = 0; i < 2 * HP_Q4KS_HEAD_BYTES; i += 64)
+                    __builtin_prefetch(panel + (int64_t)(ahead + 2) / 8 * HP_Q4KS_SUPER_BYTES + i, 0, 3);
             split_widen(format, BLOCK_AT(ahead), ring + (ahead % SPLIT_RING) * 1024);
+            split_scales(format, panel, ahead, SCALES(ahead));
         }
         for (int h = 0; h < steps; h++) { /* a Q6S tile's rows 0-7 are inputs 0-15, rows 8-15 inputs 16-31 */
             const uint16_t *w = ring + (b % SPLIT_RING) * 1024 + h * 256;
@@ -657,6 +712,7 @@ static inline __attribute__((always_inline)) void split_panel_product(int format
     EPILOGUE(j - 1);
 #undef EPILOGUE
 #undef BLOCK_AT
+#undef SCALES
     for (int r = 0; r < M; r++) {
         float *yr = yp + (int64_t)r * ldy;
         for (int c = 0; c < cols; c++) yr[c] = acc[32 * r + c] + (bias ? bias[n0 + c] : 0.0f);
@@ -673,14 +729,16 @@ static inline __attribute__((always_inline)) void split_panel_product(int format
 SPLIT_BODY(split_q4s, HP_Q4S)
 SPLIT_BODY(split_q6s, HP_Q6S)
 SPLIT_BODY(split_q8s, HP_Q8S)
+SPLIT_BODY(split_q4ks, HP_Q4KS)
 
 int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                         int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % TILE_K || !hp_split_format(format))
+    if (!hp_amx_bf16_available() || K % (format == HP_Q4KS ? 256 : TILE_K) || !hp_split_format(format))
         return -1;
     if (M <= 0 || N <= 0) return 0;
     const int groups = (M + 15) / 16, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
-    const int group = format == HP_Q4S ? TILE_K : 0, per_row = group ? K / group : 0; /* Q4S's m takes row sums */
+    const int group = format == HP_Q4S || format == HP_Q4KS ? TILE_K : 0; /* m takes the rows' sums per block */
+    const int per_row = group ? K / group : 0;
     const int64_t part = (int64_t)groups * 16 * LDA(K);
     /* the parts, then the sums; NOTE: a local: inside the parallel region, each thread would see its own buffer */
     uint16_t *a = thread_buffer(SPLIT_PARTS * part + 2 * (int64_t)groups * 16 * per_row);
@@ -698,6 +756,8 @@ int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *pac
                 split_q6s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
             else if (format == HP_Q8S)
                 split_q8s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
+            else if (format == HP_Q4KS)
+                split_q4ks(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
             else
                 split_q4s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
         }

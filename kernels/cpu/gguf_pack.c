@@ -261,14 +261,18 @@ static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP
  * floats, then per pair of inputs (row r: k = 2 r, 2 r + 1) 16 bytes, byte 2 c + k % 2 holding column c's low four
  * bits and column 8 + c's in its high nibble, then (Q6A) per two rows 16 bytes of the same values' high two bits:
  * bits 0-1 and 2-3 for the first row's low and high nibble of that byte, 4-5 and 6-7 for the second row's. */
-static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
-    memcpy(tile, s0, 64), memcpy(tile + 64, s1, 64);
-    uint8_t *nibbles = tile + 128, *high = nibbles + 256;
+static void put_nibbles(uint8_t *nibbles, const uint8_t v[16][GROUP]) {
     for (int r = 0; r < 16; r++)
         for (int j = 0; j < 16; j++) {
             const int c = j / 2, k = 2 * r + j % 2;
             nibbles[16 * r + j] = (uint8_t)((v[c][k] & 15) | (v[8 + c][k] & 15) << 4);
         }
+}
+
+static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
+    memcpy(tile, s0, 64), memcpy(tile + 64, s1, 64);
+    uint8_t *high = tile + 128 + 256;
+    put_nibbles(tile + 128, v);
     if (!q6) return;
     for (int i = 0; i < 8; i++)
         for (int j = 0; j < 16; j++) {
@@ -320,4 +324,35 @@ int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *
                     put_tile(at, v, s0, s1, q6);
             }
     return (int64_t)panels * blocks * 2 * tile;
+}
+
+/* Q4KS panels (ops.h) [ceil(N / 32), K / 256, HP_Q4KS_SUPER_BYTES] of a Q4_K weight whose row r's blocks start at
+ * rows[r]: per super-block each tile's header (the columns' d and dmin as the file's two bytes each, their 6-bit
+ * scales and mins as bytes), then per 32 inputs the tiles' nibbles as a Q4A tile holds them. Returns the bytes
+ * written. */
+int64_t hp_pack_gguf_q4ks(const int64_t *rows, int N, int K, void *out) {
+    if (K % SUPER) return -1;
+    const int supers = K / SUPER, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
+    static const uint8_t zeros[144];
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int p = 0; p < panels; p++)
+        for (int sb = 0; sb < supers; sb++) {
+            uint8_t *super = (uint8_t *)out + ((int64_t)p * supers + sb) * HP_Q4KS_SUPER_BYTES;
+            for (int t = 0; t < 2; t++) {
+                uint8_t *head = super + t * HP_Q4KS_HEAD_BYTES;
+                uint8_t v[8][16][GROUP];
+                for (int c = 0; c < 16; c++) {
+                    const int n = p * HP_BF16A_WIDTH + 16 * t + c;
+                    const uint8_t *s = n < N ? (const uint8_t *)(intptr_t)rows[n] + (int64_t)sb * 144 : zeros;
+                    memcpy(head + 2 * c, s, 2), memcpy(head + 32 + 2 * c, s + 2, 2);
+                    for (int g = 0; g < 8; g++) { /* group 2 j + h: nibble h of qs's run j */
+                        k4_scale_min(s + 4, g, head + 64 + 16 * g + c, head + 192 + 16 * g + c);
+                        for (int i = 0; i < GROUP; i++) v[g][c][i] = (s[16 + 32 * (g / 2) + i] >> (4 * (g % 2))) & 15;
+                    }
+                }
+                for (int g = 0; g < 8; g++)
+                    put_nibbles(super + 2 * HP_Q4KS_HEAD_BYTES + (2 * g + t) * HP_Q4KS_NIBBLE_BYTES, v[g]);
+            }
+        }
+    return (int64_t)panels * supers * HP_Q4KS_SUPER_BYTES;
 }

@@ -1372,14 +1372,31 @@ static void linear_q8x(int format, const float *x, int64_t ldx, const void *pack
     }
 }
 
-/* Column n of Q4S, Q6S or Q8S panels (the tiles' layouts: kernels/cpu/__init__.py's pack_weight_q4a/q6a/q8a) as its
- * K weights in fp32: Q4S d q + m in one rounding, as the Q4 panels' lanes; Q6S d (q - 32) and Q8S d q, exact. */
+/* An fp16 value at p as a float (exact). */
+static inline float half_float(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+/* Column n of Q4S, Q6S, Q8S or Q4KS panels (the tiles' layouts: kernels/cpu/__init__.py's pack_weight_q4a/q6a/q8a,
+ * ops.h's Q4KS) as its K weights in fp32: Q4S and Q4KS d q + m in one rounding, as the Q4 panels' lanes; Q6S
+ * d (q - 32) and Q8S d q, exact. */
 static void split_column(int format, const char *packed, int64_t n, int K, float *row) {
-    const int64_t tile = hp_widened_tile_bytes(format);
+    const int64_t tile = hp_widened_tile_bytes(format), half = n % HP_BF16A_WIDTH / 16;
     const int64_t p = n / HP_BF16A_WIDTH, high = n % HP_BF16A_WIDTH / 8 % 2, c = n % 16, at = 2 * (c % 8);
     for (int b = 0; b < K / 32; b++) {
-        const char *t = packed + ((p * (K / 32) + b) * 2 + n % HP_BF16A_WIDTH / 16) * tile;
-        const float *scales = (const float *)t;
+        const char *t = packed + ((p * (K / 32) + b) * 2 + half) * tile;
+        float scales[32];
+        if (format == HP_Q4KS) { /* d sc and -(dmin mn) from the super-block's header; t past it, at the nibbles */
+            const char *super = packed + (p * (K / 256) + b / 8) * HP_Q4KS_SUPER_BYTES;
+            const uint8_t *head = (const uint8_t *)super + half * HP_Q4KS_HEAD_BYTES;
+            scales[c] = half_float(head + 2 * c) * (float)head[64 + 16 * (b % 8) + c];
+            scales[16 + c] = -(half_float(head + 32 + 2 * c) * (float)head[192 + 16 * (b % 8) + c]);
+            t = super + 2 * HP_Q4KS_HEAD_BYTES + (b % 8) * 2 * HP_Q4KS_NIBBLE_BYTES + half * HP_Q4KS_NIBBLE_BYTES - 128;
+        } else {
+            memcpy(scales, t, sizeof scales);
+        }
         for (int kk = 0; kk < 32; kk++) {
             const int r = kk / 2, e = kk % 2; /* the tile's row (a pair of k) and the pair's element */
             float v;
@@ -1388,7 +1405,7 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
             } else {
                 const uint8_t byte = (uint8_t)t[128 + 16 * r + at + e];
                 int q = high ? byte >> 4 : byte & 15;
-                if (format == HP_Q4S) {
+                if (format == HP_Q4S || format == HP_Q4KS) {
                     v = fmaf(scales[c], (float)q, scales[16 + c]);
                 } else {
                     const uint8_t bits = (uint8_t)t[384 + 16 * (r / 2) + at + e];
