@@ -174,7 +174,9 @@ def test_a_library_plan_runs_every_product_through_onednn(dtype, tiny_model, mon
         assert tokens == [hf_greedy(hf, p, 12) for p in prompts] == [o.outputs[0].token_ids for o in c_outs]
         diffs = [abs(a[t].logprob - b[t].logprob) for o, c, p in zip(outs, c_outs, prompts, strict=True)
                  for a, b, t in zip(o.prompt_logprobs[1:], c.prompt_logprobs[1:], p[1:], strict=True)]
-        assert max(diffs) < 1e-4  # other summation orders
+        # other summation orders. NOTE: once, under a full suite's load, 4e-3 (a bfloat16's rounding, where a
+        # 5-run loop reads 0.0 apart): the message names the positions, should it come again
+        assert max(diffs) < 1e-4, [(i, round(d, 6)) for i, d in enumerate(diffs) if d >= 1e-4]
     else:
         assert [o.prompt_logprobs for o in outs] == [o.prompt_logprobs for o in c_outs]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in c_outs]

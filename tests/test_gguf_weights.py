@@ -307,7 +307,7 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     """A Q4_K_M-mix file (Q4_K, Q6_K output and some attn_v/ffn_down, so a fused q/k/v of mixed types) runs from
     its packed blocks: no dense weight is made, and the prompt logprobs are transformers' (which dequantizes it).
     Where the CPU has AMX, both bodies of the projections (start-up's timing overruled): the block panels' FMAs, and
-    the tiles in fp32 (Q4KS and Q6S panels, test_split_tiles.py), the Q6_K LM head with them."""
+    the tiles in fp32 (Q4KS and Q6KS panels, test_split_tiles.py), the Q6_K LM head with them."""
     from transformers import AutoModelForCausalLM
 
     from engine.backends import widened
@@ -317,7 +317,7 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     if on_tiles and "amx" not in cpu.bf16_dots():
         pytest.skip("the CPU has no AMX tiles")
     monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
-    q4, q6 = ("Q4KS", "Q6S") if on_tiles else ("Q4K", "Q6K")
+    q4, q6 = ("Q4KS", "Q6KS") if on_tiles else ("Q4K", "Q6K")
     path = small_q4_k_m
     llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
     model = llm.engine.model

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels
 def counted_packs(monkeypatch) -> list[int]:
     """Every weight packed from the file's bytes from now on (not mapped), counted."""
     packs = []
-    for name in ("pack_gguf_rows", "pack_gguf_widened", "pack_gguf_q4ks"):  # each kind's, the fp32 tiles' (split_panels)
+    for name in ("pack_gguf_rows", "pack_gguf_widened", "pack_gguf_ksplit"):  # each kind's, the fp32 tiles' (split_panels)
         pack = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *args, pack=pack, **kwargs: packs.append(1) or pack(*args, **kwargs))
     monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)  # the small test model's panels cached too
@@ -53,7 +53,7 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
                                                                                     monkeypatch, counted_packs,
                                                                                     on_tiles):
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
-    # both starts take the same body for the blocks where AMX offers one (fp32 on tiles, Q4KS/Q6S; else the FMAs),
+    # both starts take the same body for the blocks where AMX offers one (fp32 on tiles, Q4KS/Q6KS; else the FMAs),
     # whatever their timing reads: each start packs or maps the panels of the body it took
     monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
     options = dict(max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64)

@@ -116,11 +116,15 @@ def test_lookups_read_each_weight_from_the_panels(kind):
         cpu.embed_rows(packed, torch.tensor([n]), n)
 
 
-def q4_k_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random Q4_K blocks as a file holds them (144 bytes per 256 inputs: fp16 d and dmin, finite, some zero, 12
-    bytes of 6-bit scales and mins, 128 of nibbles), and each row's address, as a FileBlocks hands them over."""
-    raw = torch.randint(0, 256, (n, k // 256, 144), generator=gen, dtype=torch.uint8)
-    for at in (0, 2):
+K_QUANTS = {12: ("Q4_K", 144, (0, 2), "Q4KS"), 14: ("Q6_K", 210, (208,), "Q6KS")}  # bytes a block, its fp16 at
+
+
+def k_quant_rows(ggml_type: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_K or Q6_K blocks as a file holds them (every bit random but the fp16 scales: finite, both signs, some
+    zero), and each row's address, as a FileBlocks hands them over."""
+    _, size, halves, _ = K_QUANTS[ggml_type]
+    raw = torch.randint(0, 256, (n, k // 256, size), generator=gen, dtype=torch.uint8)
+    for at in halves:
         half = (torch.randn(n, k // 256, generator=gen) * 1e-3).half()
         half[:, ::3] = 0
         raw[:, :, at:at + 2] = half.view(torch.uint8).reshape(n, k // 256, 2)
@@ -128,32 +132,36 @@ def q4_k_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch
     return raw, raw.data_ptr() + torch.arange(n, dtype=torch.int64) * raw.shape[1]
 
 
+@pytest.mark.parametrize("ggml_type", list(K_QUANTS), ids=lambda t: K_QUANTS[t][0])
 @pytest.mark.parametrize("k,n", [(256, 40), (1536, 100), (512, 960), (2048, 33)])
-def test_q4ks_panels_give_the_q4s_panels_bits_in_the_files_bytes(k, n):
-    """A Q4_K weight's Q4KS panels (its scales per 256 inputs kept) and its Q4S panels (d sc and -dmin mn per 32 in
-    fp32) hold the same values: the same products bit for bit at any batch, with a bias, the same lookups, in
-    ~1.03x the file's bytes where Q4S takes 1.33x."""
-    gen = torch.Generator().manual_seed(k + n)
-    raw, rows = q4_k_rows(n, k, gen)
-    q4s = cpu.as_split(cpu.pack_gguf_widened(cpu.GGML_Q4_K, rows, k))
-    q4ks = cpu.pack_gguf_q4ks(rows, k)
-    assert cpu.FORMAT_NAMES[q4ks.dtype] == "Q4KS" and cpu.packed_geometry(q4ks) == (k, cdiv(n, 32) * 32)
+def test_k_quant_split_panels_give_the_split_panels_bits_in_the_files_bytes(ggml_type, k, n):
+    """A Q4_K or Q6_K weight's Q4KS or Q6KS panels (its scales per 256 inputs kept) and its Q4S or Q6S panels (the
+    scales formed per 32 or 16 inputs in fp32) hold the same values: the same products bit for bit at any batch,
+    with a bias, the same lookups, within 3% of the file's bytes where Q4S takes 1.33x and Q6S 1.22x."""
+    gen = torch.Generator().manual_seed(k + n + ggml_type)
+    name, size, _, format_name = K_QUANTS[ggml_type]
+    raw, rows = k_quant_rows(ggml_type, n, k, gen)
+    split = cpu.as_split(cpu.pack_gguf_widened(ggml_type, rows, k))
+    ours = cpu.pack_gguf_ksplit(ggml_type, rows, k)
+    assert cpu.FORMAT_NAMES[ours.dtype] == format_name and cpu.packed_geometry(ours) == (k, cdiv(n, 32) * 32)
     weights = cdiv(n, 32) * 32 * k
-    assert q4ks.numel() / weights < 1.03 * 144 / 256 and q4s.numel() / weights == 0.75
+    assert ours.numel() / weights < 1.03 * size / 256 and split.numel() / weights == (0.75 if name == "Q4_K" else 1)
     bias = torch.randn(n, generator=gen)
     for rows_ in (1, 5, 16, 17, 40, 64):
         x = activations(rows_, k, gen)
-        assert torch.equal(cpu.linear(x, q4ks, n, bias), cpu.linear(x, q4s, n, bias)), rows_
+        assert torch.equal(cpu.linear(x, ours, n, bias), cpu.linear(x, split, n, bias)), rows_
     ids = torch.tensor([0, 7, 8, 15, 16, 23, 31, n - 1, 5])
-    assert torch.equal(cpu.embed_rows(q4ks, ids, n), cpu.embed_rows(q4s, ids, n))
+    assert torch.equal(cpu.embed_rows(ours, ids, n), cpu.embed_rows(split, ids, n))
     del raw  # the blocks' bytes lived until here
 
 
-def test_q4ks_panels_need_whole_super_blocks():
+def test_k_quant_split_panels_need_whole_super_blocks_of_their_two_types():
     gen = torch.Generator().manual_seed(0)
-    raw, rows = q4_k_rows(8, 256, gen)
+    raw, rows = k_quant_rows(12, 8, 256, gen)
     with pytest.raises(ValueError, match="multiple of 256"):
-        cpu.pack_gguf_q4ks(rows, 128)
+        cpu.pack_gguf_ksplit(12, rows, 128)
     with pytest.raises(ValueError, match="Q4KS panels hold"):
-        cpu.packed_geometry(cpu.pack_gguf_q4ks(rows, 256)[:, :, :100])
+        cpu.packed_geometry(cpu.pack_gguf_ksplit(12, rows, 256)[:, :, :100])
+    with pytest.raises(ValueError, match="no K-quant split panel format"):
+        cpu.pack_gguf_ksplit(2, rows, 256)  # Q4_0: Q4S panels
     del raw

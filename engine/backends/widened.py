@@ -88,13 +88,13 @@ def multiply(packed: Panels, x: torch.Tensor) -> None:
 
 def split_panels(blocks: Blocks) -> Panels:
     """``blocks`` as Q4S, Q6S or Q8S panels: the widened panels' bytes, multiplied in fp32 on AMX
-    (``kernels/cpu/amx.c``); each part of a fused projection of two types. A file's Q4_K blocks as Q4KS panels
-    instead: the same products from the file's own scales, in 0.58 bytes a weight where Q4S takes 0.75 (an 8B
-    Q4_K_M's weights 6.0 GB against its file's 4.9)."""
+    (``kernels/cpu/amx.c``); each part of a fused projection of two types. A file's Q4_K and Q6_K blocks as Q4KS
+    and Q6KS panels instead: the same products from the file's own scales, in 0.58 and 0.82 bytes a weight where
+    Q4S and Q6S take 0.75 and 1 (an 8B Q4_K_M's weights 6.0 GB as Q4S and Q6S, its file 4.9)."""
     if isinstance(blocks, SplitBlocks):
         return split_panels(blocks.head), split_panels(blocks.tail)
-    if isinstance(blocks, FileBlocks) and blocks.type_id == cpu_kernels.GGML_Q4_K:
-        return cpu_kernels.pack_gguf_q4ks(blocks.addresses(), blocks.in_features)
+    if isinstance(blocks, FileBlocks) and blocks.type_id in cpu_kernels.GGUF_KSPLIT_DTYPES:
+        return cpu_kernels.pack_gguf_ksplit(blocks.type_id, blocks.addresses(), blocks.in_features)
     return cpu_kernels.as_split(panels(blocks))
 
 

@@ -95,7 +95,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_pack_gguf_widened": [_c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_pack_gguf_q4ks": [_ptr, _c_int, _c_int, _ptr],
+    "hp_pack_gguf_ksplit": [_c_int, _ptr, _c_int, _c_int, _ptr],
     "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
     "hp_bf16_dots": [],
     "hp_set_bf16_dot": [_c_int],
@@ -108,7 +108,7 @@ _RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots
             "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
             "hp_pack_gguf": _c_i64, "hp_pack_gguf_widened": _c_i64,
-            "hp_pack_gguf_q4ks": _c_i64}
+            "hp_pack_gguf_ksplit": _c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -186,18 +186,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
 # panels (int16: the BF16 layout, computed in bfloat16), the byte blocks Q5 and Q6M, and the K-quant panels Q4K, Q5K
 # and Q6K, and BF16A panels (BF16C 32 columns wide, for AMX); Q4A, Q6A and Q8A panels (a GGUF file's blocks for
-# AMX in bfloat16) and Q4S, Q6S, Q8S (their bytes, on AMX in fp32), and Q4KS (Q4S's products, a Q4_K's scales kept).
+# AMX in bfloat16) and Q4S, Q6S, Q8S (their bytes, on AMX in fp32), and Q4KS, Q6KS (Q4S's and Q6S's products, a
+# K-quant's scales kept).
 # The last five of the blocks are bytes viewed as
 # int32, float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), BF16A's bfloat16
-# pairs as float16, the widened panels as 8-bit float types, Q4KS as bits8: dtypes that only name the format here.
+# pairs as float16, the widened panels as 8-bit float types, Q4KS and Q6KS as bits4x2 and bits8: dtypes that only
+# name the format here.
 WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
                   torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
                   torch.float8_e4m3fn: 13, torch.float8_e5m2: 14, torch.float8_e4m3fnuz: 15,
-                  torch.float8_e5m2fnuz: 16, torch.float4_e2m1fn_x2: 17, torch.float8_e8m0fnu: 18, torch.bits8: 19}
+                  torch.float8_e5m2fnuz: 16, torch.float4_e2m1fn_x2: 17, torch.float8_e8m0fnu: 18, torch.bits4x2: 19,
+                  torch.bits8: 20}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
                 torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A", torch.float8_e4m3fnuz: "Q8A",
                 torch.float8_e5m2fnuz: "Q4S", torch.float4_e2m1fn_x2: "Q6S", torch.float8_e8m0fnu: "Q8S",
-                torch.bits8: "Q4KS",
+                torch.bits4x2: "Q4KS", torch.bits8: "Q6KS",
                 **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
@@ -297,27 +300,34 @@ def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> t
     return out
 
 
-Q4KS_HEAD_BYTES = 16 * 2 * 2 + 2 * 8 * 16  # ops.h: a tile's d and dmin (fp16), its 6-bit scales and mins as bytes
-Q4KS_SUPER_BYTES = 2 * Q4KS_HEAD_BYTES + 8 * 2 * 16 * 16  # per 32 columns and 256 inputs: two headers, the nibbles
-GGML_Q4_K = 12
+# ops.h: per 32 columns and 256 inputs, two tiles' headers (d, and Q4KS's dmin, in fp16; Q4KS's 6-bit scales and
+# mins as bytes [8][16] each, Q6KS's int8 scales [16][16]), then 8 x 2 tiles of q (Q4A's nibbles, Q6A's q)
+KSPLIT_SUPER_BYTES = {torch.bits4x2: 2 * (16 * 2 * 2 + 2 * 8 * 16) + 8 * 2 * 16 * 16,
+                      torch.bits8: 2 * (16 * 2 + 16 * 16) + 8 * 2 * (16 * 16 + 8 * 16)}
+GGUF_KSPLIT_DTYPES = {12: torch.bits4x2, 14: torch.bits8}  # ggml's Q4_K and Q6_K
 
 
-def pack_gguf_q4ks(rows: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Q4KS panels of a GGUF file's Q4_K blocks read where they lie (``gguf_pack.c``): Q4S's products, fp32 on AMX
-    tiles with the same bits, from the file's scales per 256 inputs instead of fp32 d and m per 32, in 0.58 bytes a
-    weight where Q4S takes 0.75 (bits8 [ceil(N / 32), K / 256, Q4KS_SUPER_BYTES], a dtype that only names the
-    format). Only where ``"amx" in bf16_dots()``."""
+def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q4KS or Q6KS panels of a GGUF file's Q4_K or Q6_K blocks read where they lie (``gguf_pack.c``): Q4S's and
+    Q6S's products, fp32 on AMX tiles with the same bits, from the file's scales per 256 inputs instead of fp32
+    scales per 32 (or 16), in 0.58 and 0.82 bytes a weight where Q4S and Q6S take 0.75 and 1 (bits4x2 or bits8
+    [ceil(N / 32), K / 256, super-block bytes], dtypes that only name the format). Only where ``"amx" in
+    bf16_dots()``."""
+    dtype = GGUF_KSPLIT_DTYPES.get(ggml_type)
+    if dtype is None:
+        raise ValueError(f"ggml type {ggml_type} has no K-quant split panel format (Q4_K and Q6_K have)")
     if "amx" not in bf16_dots():
-        raise ValueError("Q4KS panels need AMX tiles, which this CPU or build lacks")
+        raise ValueError(f"{FORMAT_NAMES[dtype]} panels need AMX tiles, which this CPU or build lacks")
     if in_features % blocks.SUPER:
-        raise ValueError(f"Q4KS panels need in_features a multiple of {blocks.SUPER}, got {in_features}")
+        raise ValueError(f"{FORMAT_NAMES[dtype]} panels need in_features a multiple of {blocks.SUPER}, got "
+                         f"{in_features}")
     rows = rows.to(torch.int64).contiguous()
-    out = empty_on_huge_pages(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER, Q4KS_SUPER_BYTES,
-                              dtype=torch.uint8)
-    written = _library().hp_pack_gguf_q4ks(rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
+    out = empty_on_huge_pages(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER,
+                              KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
+    written = _library().hp_pack_gguf_ksplit(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
-        raise ValueError(f"Q4KS: packed {written} bytes, expected {out.numel()}")
-    return out.view(torch.bits8)
+        raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")
+    return out.view(dtype)
 
 
 def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
@@ -538,9 +548,10 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
             raise ValueError(f"{blocks.K_QUANT_NAMES[packed.dtype]} panels hold {expected} bytes per 256 inputs, "
                              f"got {tuple(packed.shape)} {packed.dtype}")
         return packed.shape[1] * blocks.SUPER, packed.shape[0] * width
-    if packed.dtype == torch.bits8:
-        if packed.shape[2] != Q4KS_SUPER_BYTES:
-            raise ValueError(f"Q4KS panels hold {Q4KS_SUPER_BYTES} bytes per 256 inputs, got {tuple(packed.shape)}")
+    if packed.dtype in KSPLIT_SUPER_BYTES:
+        if packed.shape[2] != KSPLIT_SUPER_BYTES[packed.dtype]:
+            raise ValueError(f"{FORMAT_NAMES[packed.dtype]} panels hold {KSPLIT_SUPER_BYTES[packed.dtype]} bytes per "
+                             f"256 inputs, got {tuple(packed.shape)}")
         return packed.shape[1] * blocks.SUPER, packed.shape[0] * BF16A_WIDTH
     if packed.dtype in WIDENED_TILE_BYTES:
         expected = 2 * WIDENED_TILE_BYTES[packed.dtype]
@@ -705,7 +716,7 @@ def screened_argmax(
     m, n = approx.shape
     k = hidden.shape[1]
     in_features, columns = packed_geometry(packed)
-    if packed.dtype in (torch.int16, torch.bits8, *WIDENED_TILE_BYTES):
+    if packed.dtype in (torch.int16, *KSPLIT_SUPER_BYTES, *WIDENED_TILE_BYTES):
         raise ValueError(f"screened_argmax cannot recompute columns of {FORMAT_NAMES.get(packed.dtype)} panels")
     if (hidden.shape[0] != m or error.shape != (n,) or not approx.is_contiguous() or in_features != k
             or columns < n or (row_scale is not None and row_scale.shape != (m,))):

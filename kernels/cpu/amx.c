@@ -151,16 +151,14 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
  * d that of its 16 k. A tile holds its 16 columns' d for k 0-15 and 16-31 (fp32), the values' low four bits as Q4A's
  * nibbles, then per two rows (pairs of k) 16 bytes: bits 0-1 and 2-3 the high bits of the low and high nibble of
  * the first row's byte, bits 4-5 and 6-7 of the second's. Not ``scaled``: the file's q (q - 32, exact), for Q6S. */
-static inline __attribute__((always_inline)) void widen_q6(const char *panel, int t0, int t1, uint16_t *out,
-                                                           int scaled) {
+static inline __attribute__((always_inline)) void widen_q6_tile(const char *b, const char *nib, const char *high,
+                                                                uint16_t *o, int scaled) {
     const __m512i low = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
     const __m512 offset = _mm512_set1_ps(-32.0f);
-    for (int t = t0; t < t1; t++) {
-        const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
-        uint16_t *o = out + (int64_t)t * 512;
+    {
         for (int half = 0; half < 2; half++) {
-            __m512 dlo, dhi;
-            per_lane(b + 64 * half, &dlo, &dhi);
+            __m512 dlo = _mm512_setzero_ps(), dhi = dlo;
+            if (scaled) per_lane(b + 64 * half, &dlo, &dhi);
             const __m512 mlo = _mm512_mul_ps(dlo, offset), mhi = _mm512_mul_ps(dhi, offset);
             for (int r = 8 * half; r < 8 * half + 8; r += 2) {
                 const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(high + 8 * r)));
@@ -179,6 +177,14 @@ static inline __attribute__((always_inline)) void widen_q6(const char *panel, in
                 }
             }
         }
+    }
+}
+
+static inline __attribute__((always_inline)) void widen_q6(const char *panel, int t0, int t1, uint16_t *out,
+                                                           int scaled) {
+    for (int t = t0; t < t1; t++) {
+        const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES;
+        widen_q6_tile(b, b + 128, b + 128 + 256, out + (int64_t)t * 512, scaled);
     }
 }
 
@@ -479,7 +485,7 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 #define SPLIT_PARTS 3
 
 /* Inputs per scale (d, m) of a format: its blocks, the tile ops' k step (Q6: two steps of 16 a tile). */
-static inline int split_group(int format) { return format == HP_Q6S ? 16 : TILE_K; }
+static inline int split_group(int format) { return format == HP_Q6S || format == HP_Q6KS ? 16 : TILE_K; }
 
 /* Rows [r0, r1) of x as three bfloat16 parts (part i of row m at a + i part + m LDA(K); x = the three parts' sum,
  * exactly, for normal x whose last part is not subnormal), and each row's sum per `group` inputs (sums + m K / group,
@@ -529,21 +535,22 @@ static inline __attribute__((always_inline)) void widen_q4_values(const char *ni
     }
 }
 
-/* Where block b (of K / 32) of a panel keeps its two tiles' q: Q4KS's nibbles inside their super-block, the other
- * formats' whole tiles (their scales first). */
+/* Where block b (of K / 32) of a panel keeps its two tiles' q: Q4KS's and Q6KS's inside their super-block, past
+ * its headers; the other formats' whole tiles (their scales first). */
 static inline __attribute__((always_inline)) const char *split_block(int format, const char *panel, int b) {
-    if (format == HP_Q4KS)
-        return panel + (int64_t)(b / 8) * HP_Q4KS_SUPER_BYTES + 2 * HP_Q4KS_HEAD_BYTES +
-               (b % 8) * 2 * HP_Q4KS_NIBBLE_BYTES;
+    if (hp_ksplit_format(format))
+        return panel + (int64_t)(b / 8) * hp_ksplit_super_bytes(format) + 2 * hp_ksplit_head_bytes(format) +
+               (b % 8) * 2 * hp_ksplit_tile_bytes(format);
     return panel + (int64_t)b * 2 * hp_widened_tile_bytes(format);
 }
 
-/* The bytes of a block's q at split_block (Q4KS's header aside) and of one panel of K inputs. */
+/* The bytes of a block's q at split_block (a super-block's headers aside) and of one panel of K inputs. */
 static inline int split_block_bytes(int format) {
-    return format == HP_Q4KS ? 2 * HP_Q4KS_NIBBLE_BYTES : 2 * (int)hp_widened_tile_bytes(format);
+    return 2 * (hp_ksplit_format(format) ? hp_ksplit_tile_bytes(format) : (int)hp_widened_tile_bytes(format));
 }
 static inline int64_t split_panel_bytes(int format, int K) {
-    return format == HP_Q4KS ? (int64_t)(K / 256) * HP_Q4KS_SUPER_BYTES : (int64_t)(K / TILE_K) * split_block_bytes(format);
+    return hp_ksplit_format(format) ? (int64_t)(K / 256) * hp_ksplit_super_bytes(format)
+                                    : (int64_t)(K / TILE_K) * split_block_bytes(format);
 }
 
 /* A block's two tiles (16 columns each) of q values at out (2 x 512 bfloat16). */
@@ -552,30 +559,45 @@ static inline __attribute__((always_inline)) void split_widen(int format, const 
         widen_q6(block, 0, 2, out, 0);
     } else if (format == HP_Q8S) {
         widen_q8(block, 0, 2, out, 0);
+    } else if (format == HP_Q6KS) {
+        widen_q6_tile(block, block, block + 256, out, 0);
+        widen_q6_tile(block, block + 384, block + 384 + 256, out + 512, 0);
     } else if (format == HP_Q4KS) {
         widen_q4_values(block, out);
-        widen_q4_values(block + HP_Q4KS_NIBBLE_BYTES, out + 512);
+        widen_q4_values(block + 256, out + 512);
     } else {
         widen_q4_values(block + 128, out);
         widen_q4_values(block + HP_Q4A_TILE_BYTES + 128, out + 512);
     }
 }
 
-/* 16 bytes at p as floats. */
+/* 16 bytes at p as floats: unsigned, or signed (int8). */
 static inline __attribute__((always_inline)) __m512 byte_floats(const char *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline __attribute__((always_inline)) __m512 int8_floats(const char *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 
 /* Block b's scales (64 floats at out): d of its first tile's 16 columns, of its second's, then m of each (Q4S,
- * Q4KS) or d of their inputs 16-31 (Q6S; Q8S none). Q4KS forms them from its super-block's header as gguf_pack.c
- * forms Q4S's from the file, d sc and -(dmin mn), each one exact product: the same values, so the same bits. Why
- * once a block, into a ring: a batch's row groups each take them, and forming them per row group cost 6% at 64
- * rows. */
+ * Q4KS) or d of their inputs 16-31 (Q6S, Q6KS; Q8S none). Q4KS and Q6KS form them from their super-block's header
+ * as gguf_pack.c forms Q4S's and Q6S's from the file, d sc and -(dmin mn), or d sc: each one exact product, the
+ * same values, so the same bits. Why once a block, into a ring: a batch's row groups each take them, and forming
+ * them per row group cost 6% at 64 rows. */
 static inline __attribute__((always_inline)) void split_scales(int format, const char *panel, int b, float *out) {
+    if (format == HP_Q6KS) {
+        for (int t = 0; t < 2; t++) {
+            const char *h = panel + (int64_t)(b / 8) * hp_ksplit_super_bytes(format) + t * HP_Q6KS_HEAD_BYTES;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+            _mm512_store_ps(out + 16 * t, _mm512_mul_ps(d, int8_floats(h + 32 + 16 * (2 * (b % 8)))));
+            _mm512_store_ps(out + 32 + 16 * t, _mm512_mul_ps(d, int8_floats(h + 32 + 16 * (2 * (b % 8) + 1))));
+        }
+        return;
+    }
     if (format == HP_Q4KS) {
         const __m512i sign = _mm512_set1_epi32(INT32_MIN);
         for (int t = 0; t < 2; t++) {
-            const char *h = panel + (int64_t)(b / 8) * HP_Q4KS_SUPER_BYTES + t * HP_Q4KS_HEAD_BYTES;
+            const char *h = panel + (int64_t)(b / 8) * hp_ksplit_super_bytes(format) + t * HP_Q4KS_HEAD_BYTES;
             const __m512 dmin_mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))),
                                                  byte_floats(h + 64 + 128 + 16 * (b % 8)));
             _mm512_store_ps(out + 16 * t, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)),
@@ -625,7 +647,7 @@ static inline __attribute__((always_inline)) void split_store(int set, float *s)
 static inline __attribute__((always_inline)) void split_epilogue(int format, const float *s, const float *sc,
                                                                  const float *sums, int j, int per_row, int g, int M,
                                                                  float *acc) {
-    const int at = format == HP_Q6S ? 32 * (j % 2) : 0;
+    const int at = split_group(format) == 16 ? 32 * (j % 2) : 0;
     const __m512 d0 = _mm512_load_ps(sc + at), d1 = _mm512_load_ps(sc + at + 16);
     const __m512 m0 = _mm512_load_ps(sc + 32), m1 = _mm512_load_ps(sc + 48); /* unused but by Q4S, Q4KS */
     const int rows = M - 16 * g < 16 ? M - 16 * g : 16;
@@ -685,9 +707,9 @@ static inline __attribute__((always_inline)) void split_panel_product(int format
         const int ahead = b + SPLIT_AHEAD;
         if (ahead < blocks) {
             for (int i = 0; i < block_bytes; i += 64) __builtin_prefetch(BLOCK_AT(ahead + 2) + i, 0, 3);
-            if (format == HP_Q4KS && (ahead + 2) % 8 == 0) /* its super-block's header */
-                for (int i = 0; i < 2 * HP_Q4KS_HEAD_BYTES; i += 64)
-                    __builtin_prefetch(panel + (int64_t)(ahead + 2) / 8 * HP_Q4KS_SUPER_BYTES + i, 0, 3);
+            if (hp_ksplit_format(format) && (ahead + 2) % 8 == 0) /* its super-block's headers */
+                for (int i = 0; i < 2 * hp_ksplit_head_bytes(format); i += 64)
+                    __builtin_prefetch(panel + (int64_t)(ahead + 2) / 8 * hp_ksplit_super_bytes(format) + i, 0, 3);
             split_widen(format, BLOCK_AT(ahead), ring + (ahead % SPLIT_RING) * 1024);
             split_scales(format, panel, ahead, SCALES(ahead));
         }
@@ -730,10 +752,11 @@ SPLIT_BODY(split_q4s, HP_Q4S)
 SPLIT_BODY(split_q6s, HP_Q6S)
 SPLIT_BODY(split_q8s, HP_Q8S)
 SPLIT_BODY(split_q4ks, HP_Q4KS)
+SPLIT_BODY(split_q6ks, HP_Q6KS)
 
 int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                         int64_t ldy, int M, int N, int K) {
-    if (!hp_amx_bf16_available() || K % (format == HP_Q4KS ? 256 : TILE_K) || !hp_split_format(format))
+    if (!hp_amx_bf16_available() || K % (hp_ksplit_format(format) ? 256 : TILE_K) || !hp_split_format(format))
         return -1;
     if (M <= 0 || N <= 0) return 0;
     const int groups = (M + 15) / 16, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
@@ -758,6 +781,8 @@ int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *pac
                 split_q8s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
             else if (format == HP_Q4KS)
                 split_q4ks(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
+            else if (format == HP_Q6KS)
+                split_q6ks(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
             else
                 split_q4s(p, a, part, sums, (const char *)packed, bias, yp, ldy, M, N, K, groups);
         }

@@ -257,10 +257,8 @@ static void widened_values(int type, const uint8_t *row, int kb, uint8_t v[GROUP
     for (int i = 0; i < GROUP; i++) v[i] = ((ql[i] >> (4 * (t / 2))) & 15) | ((qh[i] >> (2 * t)) & 3) << 4;
 }
 
-/* One Q4A or Q6A tile from its 16 columns' values and scales: d (or d of inputs 0-15) and m (or d of 16-31) as
- * floats, then per pair of inputs (row r: k = 2 r, 2 r + 1) 16 bytes, byte 2 c + k % 2 holding column c's low four
- * bits and column 8 + c's in its high nibble, then (Q6A) per two rows 16 bytes of the same values' high two bits:
- * bits 0-1 and 2-3 for the first row's low and high nibble of that byte, 4-5 and 6-7 for the second row's. */
+/* Q4A's nibbles of 16 columns' values: per pair of inputs (row r: k = 2 r, 2 r + 1) 16 bytes, byte 2 c + k % 2
+ * holding column c's low four bits and column 8 + c's in its high nibble. */
 static void put_nibbles(uint8_t *nibbles, const uint8_t v[16][GROUP]) {
     for (int r = 0; r < 16; r++)
         for (int j = 0; j < 16; j++) {
@@ -269,17 +267,23 @@ static void put_nibbles(uint8_t *nibbles, const uint8_t v[16][GROUP]) {
         }
 }
 
-static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
-    memcpy(tile, s0, 64), memcpy(tile + 64, s1, 64);
-    uint8_t *high = tile + 128 + 256;
-    put_nibbles(tile + 128, v);
-    if (!q6) return;
+/* Q6A's high two bits of the same values: per two rows 16 bytes, bits 0-1 and 2-3 for the first row's low and high
+ * nibble of that byte, 4-5 and 6-7 for the second row's. */
+static void put_high(uint8_t *high, const uint8_t v[16][GROUP]) {
     for (int i = 0; i < 8; i++)
         for (int j = 0; j < 16; j++) {
             const int c = j / 2, k = 4 * i + j % 2; /* the first row's k; the second's is k + 2 */
             high[16 * i + j] = (uint8_t)((v[c][k] >> 4) | (v[8 + c][k] >> 4) << 2 | (v[c][k + 2] >> 4) << 4 |
                                          (v[8 + c][k + 2] >> 4) << 6);
         }
+}
+
+/* One Q4A or Q6A tile from its 16 columns' values and scales: d (or d of inputs 0-15) and m (or d of 16-31) as
+ * floats, then the values' nibbles, then (Q6A) their high bits. */
+static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
+    memcpy(tile, s0, 64), memcpy(tile + 64, s1, 64);
+    put_nibbles(tile + 128, v);
+    if (q6) put_high(tile + 128 + 256, v);
 }
 
 /* One Q8A tile from its 16 columns' values and d: d as floats, then per pair of inputs (row r) 32 bytes, byte
@@ -326,33 +330,44 @@ int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *
     return (int64_t)panels * blocks * 2 * tile;
 }
 
-/* Q4KS panels (ops.h) [ceil(N / 32), K / 256, HP_Q4KS_SUPER_BYTES] of a Q4_K weight whose row r's blocks start at
- * rows[r]: per super-block each tile's header (the columns' d and dmin as the file's two bytes each, their 6-bit
- * scales and mins as bytes), then per 32 inputs the tiles' nibbles as a Q4A tile holds them. Returns the bytes
- * written. */
-int64_t hp_pack_gguf_q4ks(const int64_t *rows, int N, int K, void *out) {
-    if (K % SUPER) return -1;
+/* Q4KS or Q6KS panels (ops.h) [ceil(N / 32), K / 256, super-block bytes] of a Q4_K or Q6_K weight whose row r's
+ * blocks start at rows[r]: per super-block each tile's header (the columns' d, and Q4_K's dmin, as the file's two
+ * bytes each; Q4_K's 6-bit scales and mins as bytes, Q6_K's int8 scales as they are), then per 32 inputs the tiles'
+ * q as a Q4A or Q6A tile holds them. Returns the bytes written, or -1 for another type. */
+int64_t hp_pack_gguf_ksplit(int type, const int64_t *rows, int N, int K, void *out) {
+    if ((type != T_Q4_K && type != T_Q6_K) || K % SUPER) return -1;
+    const int q6 = type == T_Q6_K, format = q6 ? HP_Q6KS : HP_Q4KS, bytes = block_bytes_of(type);
     const int supers = K / SUPER, panels = (N + HP_BF16A_WIDTH - 1) / HP_BF16A_WIDTH;
-    static const uint8_t zeros[144];
+    const int head_bytes = hp_ksplit_head_bytes(format), tile_bytes = hp_ksplit_tile_bytes(format);
+    const int64_t super_bytes = hp_ksplit_super_bytes(format);
+    static const uint8_t zeros[210];
 #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < panels; p++)
         for (int sb = 0; sb < supers; sb++) {
-            uint8_t *super = (uint8_t *)out + ((int64_t)p * supers + sb) * HP_Q4KS_SUPER_BYTES;
+            uint8_t *super = (uint8_t *)out + ((int64_t)p * supers + sb) * super_bytes;
             for (int t = 0; t < 2; t++) {
-                uint8_t *head = super + t * HP_Q4KS_HEAD_BYTES;
+                uint8_t *head = super + t * head_bytes;
                 uint8_t v[8][16][GROUP];
                 for (int c = 0; c < 16; c++) {
                     const int n = p * HP_BF16A_WIDTH + 16 * t + c;
-                    const uint8_t *s = n < N ? (const uint8_t *)(intptr_t)rows[n] + (int64_t)sb * 144 : zeros;
-                    memcpy(head + 2 * c, s, 2), memcpy(head + 32 + 2 * c, s + 2, 2);
-                    for (int g = 0; g < 8; g++) { /* group 2 j + h: nibble h of qs's run j */
-                        k4_scale_min(s + 4, g, head + 64 + 16 * g + c, head + 192 + 16 * g + c);
-                        for (int i = 0; i < GROUP; i++) v[g][c][i] = (s[16 + 32 * (g / 2) + i] >> (4 * (g % 2))) & 15;
+                    const uint8_t *row = n < N ? (const uint8_t *)(intptr_t)rows[n] : zeros;
+                    const uint8_t *s = row + (n < N ? (int64_t)sb * bytes : 0);
+                    float s0, s1;
+                    for (int g = 0; g < 8; g++) widened_values(type, s, g, v[g][c], &s0, &s1);
+                    if (q6) {
+                        memcpy(head + 2 * c, s + 208, 2);
+                        for (int i = 0; i < 16; i++) head[32 + 16 * i + c] = s[192 + i];
+                        continue;
                     }
+                    memcpy(head + 2 * c, s, 2), memcpy(head + 32 + 2 * c, s + 2, 2);
+                    for (int g = 0; g < 8; g++) k4_scale_min(s + 4, g, head + 64 + 16 * g + c, head + 192 + 16 * g + c);
                 }
-                for (int g = 0; g < 8; g++)
-                    put_nibbles(super + 2 * HP_Q4KS_HEAD_BYTES + (2 * g + t) * HP_Q4KS_NIBBLE_BYTES, v[g]);
+                for (int g = 0; g < 8; g++) {
+                    uint8_t *at = super + 2 * head_bytes + (2 * g + t) * tile_bytes;
+                    put_nibbles(at, v[g]);
+                    if (q6) put_high(at + 256, v[g]);
+                }
             }
         }
-    return (int64_t)panels * supers * HP_Q4KS_SUPER_BYTES;
+    return (int64_t)panels * supers * super_bytes;
 }

@@ -1379,21 +1379,29 @@ static inline float half_float(const uint8_t *p) {
     return (float)h;
 }
 
-/* Column n of Q4S, Q6S, Q8S or Q4KS panels (the tiles' layouts: kernels/cpu/__init__.py's pack_weight_q4a/q6a/q8a,
- * ops.h's Q4KS) as its K weights in fp32: Q4S and Q4KS d q + m in one rounding, as the Q4 panels' lanes; Q6S
- * d (q - 32) and Q8S d q, exact. */
+/* Column n of Q4S, Q6S, Q8S, Q4KS or Q6KS panels (the tiles' layouts: kernels/cpu/__init__.py's
+ * pack_weight_q4a/q6a/q8a, ops.h's Q4KS and Q6KS) as its K weights in fp32: Q4S and Q4KS d q + m in one rounding,
+ * as the Q4 panels' lanes; Q6S and Q6KS d (q - 32) and Q8S d q, exact. */
 static void split_column(int format, const char *packed, int64_t n, int K, float *row) {
     const int64_t tile = hp_widened_tile_bytes(format), half = n % HP_BF16A_WIDTH / 16;
     const int64_t p = n / HP_BF16A_WIDTH, high = n % HP_BF16A_WIDTH / 8 % 2, c = n % 16, at = 2 * (c % 8);
     for (int b = 0; b < K / 32; b++) {
         const char *t = packed + ((p * (K / 32) + b) * 2 + half) * tile;
         float scales[32];
-        if (format == HP_Q4KS) { /* d sc and -(dmin mn) from the super-block's header; t past it, at the nibbles */
-            const char *super = packed + (p * (K / 256) + b / 8) * HP_Q4KS_SUPER_BYTES;
-            const uint8_t *head = (const uint8_t *)super + half * HP_Q4KS_HEAD_BYTES;
-            scales[c] = half_float(head + 2 * c) * (float)head[64 + 16 * (b % 8) + c];
-            scales[16 + c] = -(half_float(head + 32 + 2 * c) * (float)head[192 + 16 * (b % 8) + c]);
-            t = super + 2 * HP_Q4KS_HEAD_BYTES + (b % 8) * 2 * HP_Q4KS_NIBBLE_BYTES + half * HP_Q4KS_NIBBLE_BYTES - 128;
+        if (hp_ksplit_format(format)) { /* the scales from the super-block's header (amx.c's split_scales); t where
+                                            the Q4S or Q6S tile's q would begin, 128 bytes before the block's q */
+            const int64_t head_bytes = hp_ksplit_head_bytes(format), tile_bytes = hp_ksplit_tile_bytes(format);
+            const char *super = packed + (p * (K / 256) + b / 8) * hp_ksplit_super_bytes(format);
+            const uint8_t *head = (const uint8_t *)super + half * head_bytes;
+            const float d = half_float(head + 2 * c);
+            if (format == HP_Q4KS) {
+                scales[c] = d * (float)head[64 + 16 * (b % 8) + c];
+                scales[16 + c] = -(half_float(head + 32 + 2 * c) * (float)head[192 + 16 * (b % 8) + c]);
+            } else {
+                scales[c] = d * (float)(int8_t)head[32 + 16 * (2 * (b % 8)) + c];
+                scales[16 + c] = d * (float)(int8_t)head[32 + 16 * (2 * (b % 8) + 1) + c];
+            }
+            t = super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes - 128;
         } else {
             memcpy(scales, t, sizeof scales);
         }

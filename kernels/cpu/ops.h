@@ -21,7 +21,7 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask)
 enum hp_weight_format {
     HP_F32 = 0, HP_I8 = 1, HP_Q4 = 2, HP_BF16 = 3, HP_Q8 = 4, HP_BF16C = 5, HP_Q5 = 6, HP_Q6M = 8, HP_Q4K = 9,
     HP_Q5K = 10, HP_Q6K = 11, HP_BF16A = 12, HP_Q4A = 13, HP_Q6A = 14, HP_Q8A = 15, HP_Q4S = 16, HP_Q6S = 17,
-    HP_Q8S = 18, HP_Q4KS = 19
+    HP_Q8S = 18, HP_Q4KS = 19, HP_Q6KS = 20
 };
 /* BF16A panels: the BF16C layout with HP_BF16A_WIDTH columns a panel, two whole AMX tiles of weights (a 24-column
  * BF16C panel is a tile and a half: its second tile op runs half empty). Only AMX tiles compute them (amx.c). */
@@ -37,16 +37,25 @@ int hp_amx_bf16_available(void);
 #define HP_Q4A_TILE_BYTES (16 * 4 * 2 + 16 * 16)
 #define HP_Q6A_TILE_BYTES (HP_Q4A_TILE_BYTES + 8 * 16)
 #define HP_Q8A_TILE_BYTES (16 * 4 + 16 * 32)
-/* Q4S, Q6S and Q8S panels: the bytes of Q4A, Q6A and Q8A panels, multiplied in fp32 (amx.c). Q4KS panels: Q4S's
- * products of a Q4_K weight from its own scales, in about the file's bytes (0.58 a weight, Q4S 0.75): per 32 columns
- * and 256 inputs (a super-block), a header for each of its two tiles (HP_Q4KS_HEAD_BYTES: the 16 columns' d and
- * dmin as the file's fp16, then their eight 6-bit scales [8][16] and mins [8][16] as bytes), then per 32 inputs the
- * two tiles' nibbles as Q4A's (16 rows of 16 bytes each). */
+/* Q4S, Q6S and Q8S panels: the bytes of Q4A, Q6A and Q8A panels, multiplied in fp32 (amx.c). Q4KS and Q6KS panels:
+ * Q4S's and Q6S's products of a Q4_K or Q6_K weight from its own scales, in about the file's bytes (0.58 and 0.82 a
+ * weight, Q4S and Q6S 0.75 and 1): per 32 columns and 256 inputs (a super-block), a header for each of its two
+ * tiles (the 16 columns' d as the file's fp16, then Q4KS: their dmin too, and their eight 6-bit scales [8][16] and
+ * mins [8][16] as bytes; Q6KS: their sixteen int8 scales [16][16]), then per 32 inputs each tile's q as Q4A's
+ * nibbles (16 rows of 16 bytes) or as Q6A's (those, then 8 x 16 bytes of high bits). */
 #define HP_Q4KS_HEAD_BYTES (16 * 2 * 2 + 2 * 8 * 16)
-#define HP_Q4KS_NIBBLE_BYTES (16 * 16)
-#define HP_Q4KS_SUPER_BYTES (2 * HP_Q4KS_HEAD_BYTES + 8 * 2 * HP_Q4KS_NIBBLE_BYTES)
+#define HP_Q6KS_HEAD_BYTES (16 * 2 + 16 * 16)
+static inline int hp_ksplit_format(int format) { return format == HP_Q4KS || format == HP_Q6KS; }
 static inline int hp_split_format(int format) {
-    return format == HP_Q4S || format == HP_Q6S || format == HP_Q8S || format == HP_Q4KS;
+    return format == HP_Q4S || format == HP_Q6S || format == HP_Q8S || hp_ksplit_format(format);
+}
+/* A Q4KS or Q6KS tile's header, its q for 32 inputs, and a super-block of both tiles. */
+static inline int hp_ksplit_head_bytes(int format) {
+    return format == HP_Q4KS ? HP_Q4KS_HEAD_BYTES : HP_Q6KS_HEAD_BYTES;
+}
+static inline int hp_ksplit_tile_bytes(int format) { return format == HP_Q4KS ? 16 * 16 : 16 * 16 + 8 * 16; }
+static inline int64_t hp_ksplit_super_bytes(int format) {
+    return 2 * hp_ksplit_head_bytes(format) + 8 * 2 * hp_ksplit_tile_bytes(format);
 }
 /* A tile's bytes of a widened format, or of the split format of the same bytes. */
 static inline int64_t hp_widened_tile_bytes(int format) {
