@@ -150,15 +150,16 @@ static inline __attribute__((always_inline)) void widen_q4a(const char *panel, i
  * file's q + 32) as d q - 32 d in fp32 (both products exact, and so their sum: a d of at most 18 significant bits),
  * d that of its 16 k. A tile holds its 16 columns' d for k 0-15 and 16-31 (fp32), the values' low four bits as Q4A's
  * nibbles, then per two rows (pairs of k) 16 bytes: bits 0-1 and 2-3 the high bits of the low and high nibble of
- * the first row's byte, bits 4-5 and 6-7 of the second's. Not ``scaled``: the file's q (q - 32, exact), for Q6S. */
-static inline __attribute__((always_inline)) void widen_q6_tile(const char *b, const char *nib, const char *high,
-                                                                uint16_t *o, int scaled) {
+ * the first row's byte, bits 4-5 and 6-7 of the second's. */
+static inline __attribute__((always_inline)) void widen_q6(const char *panel, int t0, int t1, uint16_t *out) {
     const __m512i low = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
     const __m512 offset = _mm512_set1_ps(-32.0f);
-    {
+    for (int t = t0; t < t1; t++) {
+        const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES, *nib = b + 128, *high = nib + 256;
+        uint16_t *o = out + (int64_t)t * 512;
         for (int half = 0; half < 2; half++) {
-            __m512 dlo = _mm512_setzero_ps(), dhi = dlo;
-            if (scaled) per_lane(b + 64 * half, &dlo, &dhi);
+            __m512 dlo, dhi;
+            per_lane(b + 64 * half, &dlo, &dhi);
             const __m512 mlo = _mm512_mul_ps(dlo, offset), mhi = _mm512_mul_ps(dhi, offset);
             for (int r = 8 * half; r < 8 * half + 8; r += 2) {
                 const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(high + 8 * r)));
@@ -169,22 +170,12 @@ static inline __attribute__((always_inline)) void widen_q6_tile(const char *b, c
                                                         _mm512_slli_epi32(_mm512_and_si512(hj, two), 4));
                     const __m512i hhi = _mm512_and_si512(_mm512_srli_epi32(hj, 2), two);
                     const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(hhi, 4));
-                    const __m512i back = _mm512_set1_epi32(scaled ? 0 : 32); /* unscaled: q - 32, the file's q */
-                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, back));
-                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, back));
-                    if (scaled) lo = _mm512_fmadd_ps(lo, dlo, mlo), hi = _mm512_fmadd_ps(hi, dhi, mhi);
+                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qlo), dlo, mlo);
+                    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qhi), dhi, mhi);
                     _mm512_store_si512(o + 32 * (r + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
             }
         }
-    }
-}
-
-static inline __attribute__((always_inline)) void widen_q6(const char *panel, int t0, int t1, uint16_t *out,
-                                                           int scaled) {
-    for (int t = t0; t < t1; t++) {
-        const char *b = panel + (int64_t)t * HP_Q6A_TILE_BYTES;
-        widen_q6_tile(b, b + 128, b + 128 + 256, out + (int64_t)t * 512, scaled);
     }
 }
 
@@ -234,7 +225,7 @@ static inline __attribute__((always_inline)) void panel_groups(const uint16_t *a
             for (int64_t i = 0; i < blocks_step; i += 64)
                 __builtin_prefetch(widen.src + (k / TILE_K + HP_AMX_AHEAD) * blocks_step + i, 0, 3);
         if (widen.src && widen.format == HP_Q6A)
-            widen_q6(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst, 1);
+            widen_q6(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst);
         else if (widen.src && widen.format == HP_Q8A)
             widen_q8(widen.src, k / TILE_K * 2, k / TILE_K * 2 + 2, widen.dst, 1);
         else if (widen.src)
@@ -553,15 +544,39 @@ static inline int64_t split_panel_bytes(int format, int K) {
                                     : (int64_t)(K / TILE_K) * split_block_bytes(format);
 }
 
+/* A tile's q of a Q6A layout (nibbles at nib, high bits at high: widen_q6) as q - 32 (the file's q, -32..31) in
+ * bfloat16, exact, in WIDENED's layout at out: each row's six bits formed in bytes, then a look-up in a table of
+ * 64 bfloat16 values (where converting each value through fp32 took twice the instructions). */
+static inline __attribute__((always_inline)) void widen_q6_values(const char *nib, const char *high, uint16_t *out) {
+    const __m512 ramp = _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i values0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(ramp, _mm512_set1_ps(16.0f)),
+                                                         _mm512_sub_ps(ramp, _mm512_set1_ps(32.0f)));
+    const __m512i values1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(ramp, _mm512_set1_ps(16.0f)), ramp);
+    const __m128i low = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
+    for (int r = 0; r < 16; r += 2) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(high + 8 * r));
+        for (int j = 0; j < 2; j++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * (r + j)));
+            const __m128i hj = _mm_srli_epi16(h, 4 * j); /* this row's four bits of each byte at bits 0-3 */
+            const __m128i qlo = _mm_or_si128(_mm_and_si128(v, low), _mm_and_si128(_mm_slli_epi16(hj, 4), top));
+            const __m128i qhi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), low),
+                                             _mm_and_si128(_mm_slli_epi16(hj, 2), top));
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_set_m128i(qhi, qlo));
+            _mm512_store_si512(out + 32 * (r + j), _mm512_permutex2var_epi16(values0, q, values1));
+        }
+    }
+}
+
 /* A block's two tiles (16 columns each) of q values at out (2 x 512 bfloat16). */
 static inline __attribute__((always_inline)) void split_widen(int format, const char *block, uint16_t *out) {
     if (format == HP_Q6S) {
-        widen_q6(block, 0, 2, out, 0);
+        widen_q6_values(block + 128, block + 384, out);
+        widen_q6_values(block + HP_Q6A_TILE_BYTES + 128, block + HP_Q6A_TILE_BYTES + 384, out + 512);
     } else if (format == HP_Q8S) {
         widen_q8(block, 0, 2, out, 0);
     } else if (format == HP_Q6KS) {
-        widen_q6_tile(block, block, block + 256, out, 0);
-        widen_q6_tile(block, block + 384, block + 384 + 256, out + 512, 0);
+        widen_q6_values(block, block + 256, out);
+        widen_q6_values(block + 384, block + 384 + 256, out + 512);
     } else if (format == HP_Q4KS) {
         widen_q4_values(block, out);
         widen_q4_values(block + 256, out + 512);
