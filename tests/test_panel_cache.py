@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels
 def counted_packs(monkeypatch) -> list[int]:
     """Every weight packed from the file's bytes from now on (not mapped), counted."""
     packs = []
-    for name in ("pack_gguf_rows", "pack_gguf_widened", "pack_gguf_ksplit"):  # each kind's, the fp32 tiles' (split_panels)
+    # each kind's panels, and the fp32 tiles' (split_panels)
+    for name in ("pack_gguf_rows", "pack_gguf_widened", "pack_gguf_ksplit"):
         pack = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *args, pack=pack, **kwargs: packs.append(1) or pack(*args, **kwargs))
     monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)  # the small test model's panels cached too
