@@ -225,6 +225,25 @@ def test_a_body_is_timed_again_once_started(kind, monkeypatch, tiny_model, small
     assert f"{bodies[0]} " in backend.describe()
 
 
+def test_no_fp32_body_is_timed_where_the_projections_run_on_the_tiles(monkeypatch, small_q4_k_m):
+    """Split panels (fp32 on AMX tiles) are computed by no fp32 body: timing the bodies on them measured nothing."""
+    from engine.backends import cpu as cpu_backend
+    from engine.backends import widened
+
+    if "amx" not in cpu.bf16_dots() or len(cpu.f32_bodies()) < 2:
+        pytest.skip("needs AMX tiles and two fp32 bodies")
+    timed = []
+    monkeypatch.setattr(cpu_backend, "_fastest_dot", lambda dots, use, *args: timed.append(args[-1]) or dots[0])
+    for on_tiles in (True, False):
+        monkeypatch.setattr(widened, "faster", lambda _, on_tiles=on_tiles: on_tiles)
+        timed.clear()
+        engine = EngineCore(EngineConfig(model=str(small_q4_k_m), kv_cache_memory=4 << 20, max_model_len=256))
+        engine.backend.after_start_up()
+        assert engine.backend.split_body == ("tiles" if on_tiles else "FMAs")
+        assert timed == ([] if on_tiles else ["fp32 bodies", "fp32 bodies"])
+        del engine
+
+
 def test_the_matmul_peak_takes_fewer_rows_where_a_dtypes_products_are_slow(monkeypatch):
     # bfloat16 on an AVX2-only CPU: ~30 ms a row, so five calls of 1024 rows held a server's start for 150 s
     from engine.backends import gemm_plan
