@@ -459,8 +459,8 @@ int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr,
 }
 
 /* fp32 products of a GGUF file's blocks on AMX tiles: Q4S, Q6S and Q8S panels (the bytes of Q4A, Q6A and Q8A
- * panels), and Q4KS panels (a Q4_K weight's values as Q4S's, its scales kept per super-block as the file keeps them),
- * to fp32's accuracy, not bfloat16's.
+ * panels), and Q4KS and Q6KS panels (a Q4_K or Q6_K weight's values as Q4S's or Q6S's, its scales kept per
+ * super-block as the file keeps them), to fp32's accuracy, not bfloat16's.
  *
  * Why: a block's weight is d q + m with an integer q (Q4: 0..15 and an m; Q6: -32..31, a d per 16 inputs, no m;
  * Q8: -128..127, no m), which bfloat16 holds exactly, and an fp32 activation x is exactly the sum of three
@@ -682,10 +682,11 @@ static inline __attribute__((always_inline)) void split_epilogue(int format, con
 
 #define SPLIT_RING 4  /* widened blocks in flight: block b + SPLIT_AHEAD is widened while block b's tiles load */
 #define SPLIT_AHEAD 2
-#define SCALE_RING 8 /* blocks' scales in flight: from the widening SPLIT_AHEAD blocks on to the epilogue two jobs back */
+#define SCALE_RING 8 /* blocks' scales in flight: from their widening SPLIT_AHEAD blocks on to the epilogue's */
 
-/* Panel p of Q4S, Q6S, Q8S or Q4KS products for every row. Per 32 inputs, the panel's q widened to bfloat16 (two blocks
- * ahead, so a tile load does not wait on the vector stores that wrote it); then per k step (one, or Q6S's two) the
+/* Panel p of Q4S, Q6S, Q8S, Q4KS or Q6KS products for every row. Per 32 inputs, the panel's q widened to bfloat16
+ * and its scales formed (two blocks ahead, so a tile load does not wait on the vector stores that wrote it); then
+ * per k step (one, or Q6's two) the
  * step's weights into tiles 6 and 7 and one job of tile sums per row group. Each job's sums are stored once the next
  * job's tile ops are issued, and taken into the accumulators one job later still (two sets of accumulator tiles, two
  * buffers, in turn), so the vectors' work overlaps the tiles' and no load waits on the tile store it reads. */
