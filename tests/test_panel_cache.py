@@ -167,6 +167,30 @@ def test_an_index_entry_that_does_not_fit_the_file_is_packed_anew(small_q4_k_m, 
     assert len(counted_packs) == len(weights) + 1  # the one that did not fit, packed
 
 
+def test_the_older_file_of_a_source_goes_before_the_disks_room_is_counted(small_q4_k_m, tmp_path, counted_packs,
+                                                                          monkeypatch):
+    """A start of another panel layout (a new build) on a disk with room for one model's panels: the older file
+    would go once the new one is written, so it goes first, and the new one is written."""
+    weights = blocks_of(small_q4_k_m)
+    old = PanelCache(small_q4_k_m, tmp_path, "layout-a")
+    pack_all(old, weights)
+    old.finish()
+    assert old.data_path.exists()
+    new = PanelCache(small_q4_k_m, tmp_path, "layout-b")
+    pack_all(new, weights)
+    seen = []
+
+    def disk_usage(_: object) -> SimpleNamespace:  # room for one model's panels: none while the old file is there
+        seen.append(old.data_path.exists())
+        return SimpleNamespace(free=0 if seen[-1] else 1 << 62)
+
+    monkeypatch.setattr(panel_cache.shutil, "disk_usage", disk_usage)
+    new.finish()
+    assert seen == [False] and new.data_path.exists() and new.index_path.exists()
+    assert sorted(p.name for p in (tmp_path / "panels").iterdir()) == sorted(
+        [new.data_path.name, new.index_path.name])
+
+
 def test_a_cache_that_cannot_be_written_leaves_the_panels_packed_and_nothing_behind(small_q4_k_m, tmp_path,
                                                                                       counted_packs, caplog):
     root = tmp_path / "root"

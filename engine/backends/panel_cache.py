@@ -178,7 +178,10 @@ class PanelCache:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._remove_abandoned()  # before the disk's free space is counted
+            # both before the disk's free space is counted: the older files of this source (another panel layout)
+            # would go once this one is written, and a disk with room for one model's panels holds this one then
+            self._remove_abandoned()
+            self._prune()
             free = shutil.disk_usage(self.folder).free
             if free < total + SPARE_DISK:
                 logger.info("panels not cached: %.0f MiB free in %s, %.0f MiB needed", free / 2**20, self.folder,
@@ -191,7 +194,6 @@ class PanelCache:
             return
         logger.info("panels of %s cached in %s: %.0f MiB in %.1f s (mapped from there at the next start)",
                     self.source.name, self.data_path, total / 2**20, time.monotonic() - started)
-        self._prune()
 
     def _write(self) -> None:
         entries, offset = {}, 0
