@@ -575,11 +575,12 @@ static inline __attribute__((always_inline)) void split_widen(int format, const 
     } else if (format == HP_Q8S) {
         widen_q8(block, 0, 2, out, 0);
     } else if (format == HP_Q6KS) {
-        widen_q6_values(block, block + 256, out);
-        widen_q6_values(block + 384, block + 384 + 256, out + 512);
+        const char *second = block + hp_ksplit_tile_bytes(format);
+        widen_q6_values(block, block + HP_Q6KS_HIGH_AT, out);
+        widen_q6_values(second, second + HP_Q6KS_HIGH_AT, out + 512);
     } else if (format == HP_Q4KS) {
         widen_q4_values(block, out);
-        widen_q4_values(block + 256, out + 512);
+        widen_q4_values(block + hp_ksplit_tile_bytes(format), out + 512);
     } else {
         widen_q4_values(block + 128, out);
         widen_q4_values(block + HP_Q4A_TILE_BYTES + 128, out + 512);
@@ -604,8 +605,9 @@ static inline __attribute__((always_inline)) void split_scales(int format, const
         for (int t = 0; t < 2; t++) {
             const char *h = panel + (int64_t)(b / 8) * hp_ksplit_super_bytes(format) + t * HP_Q6KS_HEAD_BYTES;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-            _mm512_store_ps(out + 16 * t, _mm512_mul_ps(d, int8_floats(h + 32 + 16 * (2 * (b % 8)))));
-            _mm512_store_ps(out + 32 + 16 * t, _mm512_mul_ps(d, int8_floats(h + 32 + 16 * (2 * (b % 8) + 1))));
+            const char *scales = h + HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8)); /* this block's two halves */
+            _mm512_store_ps(out + 16 * t, _mm512_mul_ps(d, int8_floats(scales)));
+            _mm512_store_ps(out + 32 + 16 * t, _mm512_mul_ps(d, int8_floats(scales + 16)));
         }
         return;
     }
@@ -613,10 +615,10 @@ static inline __attribute__((always_inline)) void split_scales(int format, const
         const __m512i sign = _mm512_set1_epi32(INT32_MIN);
         for (int t = 0; t < 2; t++) {
             const char *h = panel + (int64_t)(b / 8) * hp_ksplit_super_bytes(format) + t * HP_Q4KS_HEAD_BYTES;
-            const __m512 dmin_mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))),
-                                                 byte_floats(h + 64 + 128 + 16 * (b % 8)));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + HP_Q4KS_DMIN_AT)));
+            const __m512 dmin_mn = _mm512_mul_ps(dmin, byte_floats(h + HP_Q4KS_MINS_AT + 16 * (b % 8)));
             _mm512_store_ps(out + 16 * t, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)),
-                                                        byte_floats(h + 64 + 16 * (b % 8))));
+                                                        byte_floats(h + HP_Q4KS_SCALES_AT + 16 * (b % 8))));
             _mm512_store_ps(out + 32 + 16 * t, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin_mn),
                                                                                     sign)));
         }

@@ -356,16 +356,18 @@ int64_t hp_pack_gguf_ksplit(int type, const int64_t *rows, int N, int K, void *o
                     for (int g = 0; g < 8; g++) widened_values(type, s, g, v[g][c], &s0, &s1);
                     if (q6) {
                         memcpy(head + 2 * c, s + 208, 2);
-                        for (int i = 0; i < 16; i++) head[32 + 16 * i + c] = s[192 + i];
+                        for (int i = 0; i < 16; i++) head[HP_Q6KS_SCALES_AT + 16 * i + c] = s[192 + i];
                         continue;
                     }
-                    memcpy(head + 2 * c, s, 2), memcpy(head + 32 + 2 * c, s + 2, 2);
-                    for (int g = 0; g < 8; g++) k4_scale_min(s + 4, g, head + 64 + 16 * g + c, head + 192 + 16 * g + c);
+                    memcpy(head + 2 * c, s, 2), memcpy(head + HP_Q4KS_DMIN_AT + 2 * c, s + 2, 2);
+                    for (int g = 0; g < 8; g++)
+                        k4_scale_min(s + 4, g, head + HP_Q4KS_SCALES_AT + 16 * g + c,
+                                     head + HP_Q4KS_MINS_AT + 16 * g + c);
                 }
                 for (int g = 0; g < 8; g++) {
                     uint8_t *at = super + 2 * head_bytes + (2 * g + t) * tile_bytes;
                     put_nibbles(at, v[g]);
-                    if (q6) put_high(at + 256, v[g]);
+                    if (q6) put_high(at + HP_Q6KS_HIGH_AT, v[g]);
                 }
             }
         }

@@ -1395,11 +1395,12 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
             const uint8_t *head = (const uint8_t *)super + half * head_bytes;
             const float d = half_float(head + 2 * c);
             if (format == HP_Q4KS) {
-                scales[c] = d * (float)head[64 + 16 * (b % 8) + c];
-                scales[16 + c] = -(half_float(head + 32 + 2 * c) * (float)head[192 + 16 * (b % 8) + c]);
+                scales[c] = d * (float)head[HP_Q4KS_SCALES_AT + 16 * (b % 8) + c];
+                scales[16 + c] = -(half_float(head + HP_Q4KS_DMIN_AT + 2 * c) *
+                                   (float)head[HP_Q4KS_MINS_AT + 16 * (b % 8) + c]);
             } else {
-                scales[c] = d * (float)(int8_t)head[32 + 16 * (2 * (b % 8)) + c];
-                scales[16 + c] = d * (float)(int8_t)head[32 + 16 * (2 * (b % 8) + 1) + c];
+                scales[c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8)) + c];
+                scales[16 + c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8) + 1) + c];
             }
             t = super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes - 128;
         } else {

@@ -43,8 +43,15 @@ int hp_amx_bf16_available(void);
  * tiles (the 16 columns' d as the file's fp16, then Q4KS: their dmin too, and their eight 6-bit scales [8][16] and
  * mins [8][16] as bytes; Q6KS: their sixteen int8 scales [16][16]), then per 32 inputs each tile's q as Q4A's
  * nibbles (16 rows of 16 bytes) or as Q6A's (those, then 8 x 16 bytes of high bits). */
-#define HP_Q4KS_HEAD_BYTES (16 * 2 * 2 + 2 * 8 * 16)
-#define HP_Q6KS_HEAD_BYTES (16 * 2 + 16 * 16)
+/* Where a Q4KS or Q6KS tile's header keeps its fields (bytes from its start, each field 16 columns wide), where its
+ * bytes end, and where a Q6KS tile's high bits follow its nibbles. */
+#define HP_Q4KS_DMIN_AT (16 * 2)
+#define HP_Q4KS_SCALES_AT (HP_Q4KS_DMIN_AT + 16 * 2)
+#define HP_Q4KS_MINS_AT (HP_Q4KS_SCALES_AT + 8 * 16)
+#define HP_Q4KS_HEAD_BYTES (HP_Q4KS_MINS_AT + 8 * 16)
+#define HP_Q6KS_SCALES_AT (16 * 2)
+#define HP_Q6KS_HEAD_BYTES (HP_Q6KS_SCALES_AT + 16 * 16)
+#define HP_Q6KS_HIGH_AT (16 * 16)
 static inline int hp_ksplit_format(int format) { return format == HP_Q4KS || format == HP_Q6KS; }
 static inline int hp_split_format(int format) {
     return format == HP_Q4S || format == HP_Q6S || format == HP_Q8S || hp_ksplit_format(format);
@@ -53,7 +60,7 @@ static inline int hp_split_format(int format) {
 static inline int hp_ksplit_head_bytes(int format) {
     return format == HP_Q4KS ? HP_Q4KS_HEAD_BYTES : HP_Q6KS_HEAD_BYTES;
 }
-static inline int hp_ksplit_tile_bytes(int format) { return format == HP_Q4KS ? 16 * 16 : 16 * 16 + 8 * 16; }
+static inline int hp_ksplit_tile_bytes(int format) { return format == HP_Q4KS ? 16 * 16 : HP_Q6KS_HIGH_AT + 8 * 16; }
 static inline int64_t hp_ksplit_super_bytes(int format) {
     return 2 * hp_ksplit_head_bytes(format) + 8 * 2 * hp_ksplit_tile_bytes(format);
 }
