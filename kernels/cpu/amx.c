@@ -567,6 +567,39 @@ static inline __attribute__((always_inline)) void widen_q6_values(const char *ni
     }
 }
 
+/* A Q4KS or Q6KS tile's q (ops.h's hp_ksplit_low_at, hp_ksplit_high_at) in bfloat16, exact, in WIDENED's layout at
+ * out: Q4KS's q (0..15), Q6KS's q - 32 (-32..31). Per four rows one load of their low bits (and Q6KS's high bits),
+ * then per row a shift (and Q6KS's merge of its high bits) and a look-up of 32 16-bit words, a table of 32 values
+ * (Q4KS: 0..15 twice, index bit 4 ignored) or of 64 (Q6KS). */
+static inline __attribute__((always_inline)) void widen_ksplit(int q6, const char *tile, uint16_t *out) {
+    const __m512i q4_values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                               0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170,
+                                               0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+                                               0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+    const __m512 ramp = _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i q6_values0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(ramp, _mm512_set1_ps(16.0f)),
+                                                            _mm512_sub_ps(ramp, _mm512_set1_ps(32.0f)));
+    const __m512i q6_values1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(ramp, _mm512_set1_ps(16.0f)), ramp);
+    const __m512i low = _mm512_set1_epi16(15);
+    for (int g = 0; g < 4; g++) {
+        const __m512i v = _mm512_loadu_si512(tile + 64 * g);
+        __m512i h = _mm512_setzero_si512();
+        if (q6) h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tile + HP_Q6KS_HIGH_AT + 32 * g)));
+        for (int j = 0; j < 4; j++) {
+            const __m512i bits = j ? _mm512_srli_epi16(v, 4 * j) : v; /* this row's low four bits at bits 0-3 */
+            __m512i row;
+            if (q6) {
+                const __m512i top = j < 2 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
+                const __m512i q = _mm512_ternarylogic_epi32(bits, top, low, 0xe4); /* bits 0-3 of bits, 4-5 top's */
+                row = _mm512_permutex2var_epi16(q6_values0, q, q6_values1);
+            } else {
+                row = _mm512_permutexvar_epi16(bits, q4_values);
+            }
+            _mm512_store_si512(out + 32 * (4 * g + j), row);
+        }
+    }
+}
+
 /* A block's two tiles (16 columns each) of q values at out (2 x 512 bfloat16). */
 static inline __attribute__((always_inline)) void split_widen(int format, const char *block, uint16_t *out) {
     if (format == HP_Q6S) {
@@ -574,13 +607,9 @@ static inline __attribute__((always_inline)) void split_widen(int format, const 
         widen_q6_values(block + HP_Q6A_TILE_BYTES + 128, block + HP_Q6A_TILE_BYTES + 384, out + 512);
     } else if (format == HP_Q8S) {
         widen_q8(block, 0, 2, out, 0);
-    } else if (format == HP_Q6KS) {
-        const char *second = block + hp_ksplit_tile_bytes(format);
-        widen_q6_values(block, block + HP_Q6KS_HIGH_AT, out);
-        widen_q6_values(second, second + HP_Q6KS_HIGH_AT, out + 512);
-    } else if (format == HP_Q4KS) {
-        widen_q4_values(block, out);
-        widen_q4_values(block + hp_ksplit_tile_bytes(format), out + 512);
+    } else if (hp_ksplit_format(format)) {
+        widen_ksplit(format == HP_Q6KS, block, out);
+        widen_ksplit(format == HP_Q6KS, block + hp_ksplit_tile_bytes(format), out + 512);
     } else {
         widen_q4_values(block + 128, out);
         widen_q4_values(block + HP_Q4A_TILE_BYTES + 128, out + 512);

@@ -278,6 +278,17 @@ static void put_high(uint8_t *high, const uint8_t v[16][GROUP]) {
         }
 }
 
+/* A Q4KS or Q6KS tile's q of 16 columns' values (ops.h's hp_ksplit_low_at and hp_ksplit_high_at), at tile. */
+static void put_ksplit(uint8_t *tile, const uint8_t v[16][GROUP], int q6) {
+    memset(tile, 0, (size_t)hp_ksplit_tile_bytes(q6 ? HP_Q6KS : HP_Q4KS));
+    for (int r = 0; r < 16; r++)
+        for (int pos = 0; pos < 32; pos++) {
+            const int q = v[pos / 2][2 * r + pos % 2], at = hp_ksplit_low_at(r, pos) + r % 4 / 2;
+            tile[at] |= (uint8_t)((q & 15) << 4 * (r % 2));
+            if (q6) tile[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(r, pos)] |= (uint8_t)((q >> 4) << 2 * (r % 4));
+        }
+}
+
 /* One Q4A or Q6A tile from its 16 columns' values and scales: d (or d of inputs 0-15) and m (or d of 16-31) as
  * floats, then the values' nibbles, then (Q6A) their high bits. */
 static void put_tile(uint8_t *tile, const uint8_t v[16][GROUP], const float s0[16], const float s1[16], int q6) {
@@ -333,7 +344,7 @@ int64_t hp_pack_gguf_widened(int type, const int64_t *rows, int N, int K, void *
 /* Q4KS or Q6KS panels (ops.h) [ceil(N / 32), K / 256, super-block bytes] of a Q4_K or Q6_K weight whose row r's
  * blocks start at rows[r]: per super-block each tile's header (the columns' d, and Q4_K's dmin, as the file's two
  * bytes each; Q4_K's 6-bit scales and mins as bytes, Q6_K's int8 scales as they are), then per 32 inputs the tiles'
- * q as a Q4A or Q6A tile holds them. Returns the bytes written, or -1 for another type. */
+ * q (put_ksplit). Returns the bytes written, or -1 for another type. */
 int64_t hp_pack_gguf_ksplit(int type, const int64_t *rows, int N, int K, void *out) {
     if ((type != T_Q4_K && type != T_Q6_K) || K % SUPER) return -1;
     const int q6 = type == T_Q6_K, format = q6 ? HP_Q6KS : HP_Q4KS, bytes = block_bytes_of(type);
@@ -364,11 +375,7 @@ int64_t hp_pack_gguf_ksplit(int type, const int64_t *rows, int N, int K, void *o
                         k4_scale_min(s + 4, g, head + HP_Q4KS_SCALES_AT + 16 * g + c,
                                      head + HP_Q4KS_MINS_AT + 16 * g + c);
                 }
-                for (int g = 0; g < 8; g++) {
-                    uint8_t *at = super + 2 * head_bytes + (2 * g + t) * tile_bytes;
-                    put_nibbles(at, v[g]);
-                    if (q6) put_high(at + HP_Q6KS_HIGH_AT, v[g]);
-                }
+                for (int g = 0; g < 8; g++) put_ksplit(super + 2 * head_bytes + (2 * g + t) * tile_bytes, v[g], q6);
             }
         }
     return (int64_t)panels * supers * super_bytes;

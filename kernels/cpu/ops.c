@@ -1388,8 +1388,8 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
     for (int b = 0; b < K / 32; b++) {
         const char *t = packed + ((p * (K / 32) + b) * 2 + half) * tile;
         float scales[32];
-        if (hp_ksplit_format(format)) { /* the scales from the super-block's header (amx.c's split_scales); t where
-                                            the Q4S or Q6S tile's q would begin, 128 bytes before the block's q */
+        if (hp_ksplit_format(format)) { /* the scales from the super-block's header (amx.c's split_scales), the q
+                                            where ops.h's hp_ksplit_low_at and hp_ksplit_high_at place them */
             const int64_t head_bytes = hp_ksplit_head_bytes(format), tile_bytes = hp_ksplit_tile_bytes(format);
             const char *super = packed + (p * (K / 256) + b / 8) * hp_ksplit_super_bytes(format);
             const uint8_t *head = (const uint8_t *)super + half * head_bytes;
@@ -1402,10 +1402,20 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
                 scales[c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8)) + c];
                 scales[16 + c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8) + 1) + c];
             }
-            t = super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes - 128;
-        } else {
-            memcpy(scales, t, sizeof scales);
+            const uint8_t *q = (const uint8_t *)super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes;
+            for (int kk = 0; kk < 32; kk++) {
+                const int r = kk / 2, pos = 2 * (int)c + kk % 2; /* the tile's row (a pair of k), the value's place */
+                int v = q[hp_ksplit_low_at(r, pos) + r % 4 / 2] >> 4 * (r % 2) & 15;
+                if (format == HP_Q4KS) {
+                    row[b * 32 + kk] = fmaf(scales[c], (float)v, scales[16 + c]);
+                } else {
+                    v |= (q[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(r, pos)] >> 2 * (r % 4) & 3) << 4;
+                    row[b * 32 + kk] = scales[16 * (kk / 16) + c] * (float)(v - 32);
+                }
+            }
+            continue;
         }
+        memcpy(scales, t, sizeof scales);
         for (int kk = 0; kk < 32; kk++) {
             const int r = kk / 2, e = kk % 2; /* the tile's row (a pair of k) and the pair's element */
             float v;
@@ -1414,7 +1424,7 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
             } else {
                 const uint8_t byte = (uint8_t)t[128 + 16 * r + at + e];
                 int q = high ? byte >> 4 : byte & 15;
-                if (format == HP_Q4S || format == HP_Q4KS) {
+                if (format == HP_Q4S) {
                     v = fmaf(scales[c], (float)q, scales[16 + c]);
                 } else {
                     const uint8_t bits = (uint8_t)t[384 + 16 * (r / 2) + at + e];

@@ -41,8 +41,8 @@ int hp_amx_bf16_available(void);
  * Q4S's and Q6S's products of a Q4_K or Q6_K weight from its own scales, in about the file's bytes (0.58 and 0.82 a
  * weight, Q4S and Q6S 0.75 and 1): per 32 columns and 256 inputs (a super-block), a header for each of its two
  * tiles (the 16 columns' d as the file's fp16, then Q4KS: their dmin too, and their eight 6-bit scales [8][16] and
- * mins [8][16] as bytes; Q6KS: their sixteen int8 scales [16][16]), then per 32 inputs each tile's q as Q4A's
- * nibbles (16 rows of 16 bytes) or as Q6A's (those, then 8 x 16 bytes of high bits). */
+ * mins [8][16] as bytes; Q6KS: their sixteen int8 scales [16][16]), then per 32 inputs each tile's q: 256 bytes of
+ * low four bits, then (Q6KS) 128 bytes of high two bits, in the order hp_ksplit_low_at and hp_ksplit_high_at give. */
 /* Where a Q4KS or Q6KS tile's header keeps its fields (bytes from its start, each field 16 columns wide), where its
  * bytes end, and where a Q6KS tile's high bits follow its nibbles. */
 #define HP_Q4KS_DMIN_AT (16 * 2)
@@ -64,6 +64,13 @@ static inline int hp_ksplit_tile_bytes(int format) { return format == HP_Q4KS ? 
 static inline int64_t hp_ksplit_super_bytes(int format) {
     return 2 * hp_ksplit_head_bytes(format) + 8 * 2 * hp_ksplit_tile_bytes(format);
 }
+/* Where a Q4KS or Q6KS tile keeps the value of its row r (a pair of inputs, k = 2 r + e) at position pos (2 c + e,
+ * column c): its low four bits at bit 4 (r % 4) of the 16-bit word at byte hp_ksplit_low_at, a Q6KS value's high
+ * two bits at bit 2 (r % 4) of the byte at HP_Q6KS_HIGH_AT + hp_ksplit_high_at. Why: four rows of a tile take one
+ * 64-byte load (and Q6KS 32 bytes more), and each row's 32 values come out of it by a shift and a look-up of 16-bit
+ * words (amx.c's widen_ksplit), where Q4A's layout took three shuffles a row. */
+static inline int hp_ksplit_low_at(int r, int pos) { return 64 * (r / 4) + 2 * pos; }
+static inline int hp_ksplit_high_at(int r, int pos) { return 32 * (r / 4) + pos; }
 /* A tile's bytes of a widened format, or of the split format of the same bytes. */
 static inline int64_t hp_widened_tile_bytes(int format) {
     return format == HP_Q6A || format == HP_Q6S   ? HP_Q6A_TILE_BYTES
