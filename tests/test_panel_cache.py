@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,7 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
     first = LLM(str(small_q4_k_m), **options)
     packed = len(counted_packs)
     assert packed > 0 and first.engine.backend.mapped_weight_bytes() == 0
+    first.engine.backend.panel_cache.wait()  # written while the engine serves
     files = sorted(p.suffix for p in (tmp_path / "panels").iterdir())
     assert files == [".bin", ".json"]
     tokens = first.generate(["Hello there", "Once upon"], params)
@@ -82,6 +84,27 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
 
     LLM(str(small_q4_k_m), panel_cache=False, **options)  # --no-panel-cache: packed, the cache neither read nor made
     assert len(counted_packs) == 2 * packed
+
+
+def test_the_first_start_serves_before_its_cache_file_is_written(small_q4_k_m, tmp_path, monkeypatch, counted_packs):
+    """The cache file is written by a thread of its own: the engine serves while the write is held up, and the
+    file is whole once it is let go."""
+    monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
+    let_go, write = threading.Event(), panel_cache._HugePageWriter.write
+
+    def held(self, data) -> None:  # until let go (or 20 s on: then the rest unheld)
+        let_go.wait(20)
+        let_go.set()
+        write(self, data)
+
+    monkeypatch.setattr(panel_cache._HugePageWriter, "write", held)
+    llm = LLM(str(small_q4_k_m), max_model_len=256, kv_cache_memory=16 << 20)
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert not list((tmp_path / "panels").glob("*.json")) and not let_go.is_set()  # served, the file not yet made
+    let_go.set()
+    llm.engine.backend.panel_cache.wait()
+    assert sorted(p.suffix for p in (tmp_path / "panels").iterdir()) == [".bin", ".json"]
 
 
 def test_panels_of_other_rows_are_packed_not_mapped_and_the_file_made_again(small_q4_k_m, tmp_path, counted_packs):
@@ -280,5 +303,6 @@ def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weigh
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, say
     third = LLM(str(folder), **options)
     assert third.engine.backend.mapped_weight_bytes() == 0
+    third.engine.backend.panel_cache.wait()
     del third
     assert len(list((tmp_path / "panels").glob("*.bin"))) == 1  # the old file went with the new one's writing

@@ -274,7 +274,7 @@ class CpuBackend(TorchBackend):
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
         if self.panel_cache is not None:
-            self.panel_cache.finish()
+            self.panel_cache.finish(wait=False)
         if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         elif (head is not None and head.dtype == torch.int8 and model.lm_head.bias is None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.backends.panel_cache import MIN_BYTES
 from loadtest.processes import start, stop, wait_healthy
 from loadtest.serve import BenchConfig, benchmark_point, load_tokenizer
 
@@ -66,6 +67,16 @@ def read_seconds(path: Path) -> float:
             while f.readinto(buffer):
                 pass
     return time.perf_counter() - started
+
+
+def wait_for_log(log: Path, pattern: str, timeout: float) -> bool:
+    """Whether a line matching ``pattern`` is in ``log`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, log.read_text()):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def drop_page_cache() -> None:
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(base_url=f"http://127.0.0.1:{args.port}", num_prompts=args.prompts, input_len=128,
                           output_len=128, max_concurrency=1, num_warmups=0)
         summary = benchmark_point(cfg, load_tokenizer(None), None, progress=False)["summary"]
+        if size >= MIN_BYTES:  # a first start writes the cache file while it serves: stopped only once it is written
+            wait_for_log(log, r"panel_cache: panels (of .* (mapped from|cached in)|not cached)", 600)
     finally:
         done.set()
         stop([server])
@@ -152,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         how = {"mapped from": ", panels mapped", "cached in": ", panels packed and cached"}.get(
             panels.group(1) if panels else "", "")
         print(f"load step {load_step:.1f} s{how} ({load_step / max(read_s, 1e-3):.1f}x one read)")
+        written = re.search(r"panel_cache: panels of .* cached in .*: ([\d.]+) MiB in ([\d.]+) s", text)
+        if written:
+            print(f"cache file written while serving: {float(written.group(1)):.0f} MiB in {written.group(2)} s")
     weights = re.search(r"weights\s+([\d.]+) MiB", text)
     if weights:
         rate = float(weights.group(1)) * 2**20 / tpot
