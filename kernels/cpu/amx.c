@@ -510,14 +510,25 @@ static void split_rows(const float *x, int64_t ldx, uint16_t *a, int64_t part, f
     }
 }
 
+/* The look-up tables of the tiles' widening: bfloat16 of 0..15, twice (a 32-word table whose index bit 4 is
+ * ignored), and of -32..31 as two 32-word halves (q - 32 for a 6-bit q: the first half for q 0..31). */
+static inline __attribute__((always_inline)) __m512i q4_table(void) {
+    return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                            0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110,
+                            0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+}
+static inline __attribute__((always_inline)) void q6_tables(__m512i *first, __m512i *second) {
+    const __m512 ramp = _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    *first = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(ramp, _mm512_set1_ps(16.0f)),
+                                          _mm512_sub_ps(ramp, _mm512_set1_ps(32.0f)));
+    *second = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(ramp, _mm512_set1_ps(16.0f)), ramp);
+}
+
 /* A tile's nibbles (16 columns x 32 inputs, Q4A's 16 rows of 16 bytes at nib) as its q (0..15) in bfloat16, exact,
  * in WIDENED's layout at out: each row's low nibbles then its high nibbles, as widen_q4a places them (a table
  * look-up, not widen_q4a's conversions). */
 static inline __attribute__((always_inline)) void widen_q4_values(const char *nib, uint16_t *out) {
-    const __m512i values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                            0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160,
-                                            0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-                                            0x4080, 0x4040, 0x4000, 0x3f80, 0); /* bfloat16 of 0..15, twice */
+    const __m512i values = q4_table(); /* bfloat16 of 0..15, twice */
     const __m128i low = _mm_set1_epi8(15);
     for (int r = 0; r < 16; r++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * r));
@@ -548,10 +559,8 @@ static inline int64_t split_panel_bytes(int format, int K) {
  * bfloat16, exact, in WIDENED's layout at out: each row's six bits formed in bytes, then a look-up in a table of
  * 64 bfloat16 values (where converting each value through fp32 took twice the instructions). */
 static inline __attribute__((always_inline)) void widen_q6_values(const char *nib, const char *high, uint16_t *out) {
-    const __m512 ramp = _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __m512i values0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(ramp, _mm512_set1_ps(16.0f)),
-                                                         _mm512_sub_ps(ramp, _mm512_set1_ps(32.0f)));
-    const __m512i values1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(ramp, _mm512_set1_ps(16.0f)), ramp);
+    __m512i values0, values1;
+    q6_tables(&values0, &values1);
     const __m128i low = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
     for (int r = 0; r < 16; r += 2) {
         const __m128i h = _mm_loadu_si128((const __m128i *)(high + 8 * r));
@@ -572,14 +581,9 @@ static inline __attribute__((always_inline)) void widen_q6_values(const char *ni
  * then per row a shift (and Q6KS's merge of its high bits) and a look-up of 32 16-bit words, a table of 32 values
  * (Q4KS: 0..15 twice, index bit 4 ignored) or of 64 (Q6KS). */
 static inline __attribute__((always_inline)) void widen_ksplit(int q6, const char *tile, uint16_t *out) {
-    const __m512i q4_values = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                               0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170,
-                                               0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
-                                               0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
-    const __m512 ramp = _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __m512i q6_values0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(ramp, _mm512_set1_ps(16.0f)),
-                                                            _mm512_sub_ps(ramp, _mm512_set1_ps(32.0f)));
-    const __m512i q6_values1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(ramp, _mm512_set1_ps(16.0f)), ramp);
+    const __m512i q4_values = q4_table();
+    __m512i q6_values0, q6_values1;
+    q6_tables(&q6_values0, &q6_values1);
     const __m512i low = _mm512_set1_epi16(15);
     for (int g = 0; g < 4; g++) {
         const __m512i v = _mm512_loadu_si512(tile + 64 * g);
