@@ -280,12 +280,15 @@ static void put_high(uint8_t *high, const uint8_t v[16][GROUP]) {
 
 /* A Q4KS or Q6KS tile's q of 16 columns' values (ops.h's hp_ksplit_low_at and hp_ksplit_high_at), at tile. */
 static void put_ksplit(uint8_t *tile, const uint8_t v[16][GROUP], int q6) {
-    memset(tile, 0, (size_t)hp_ksplit_tile_bytes(q6 ? HP_Q6KS : HP_Q4KS));
-    for (int r = 0; r < 16; r++)
+    for (int g = 0; g < 4; g++) /* rows 4 g .. 4 g + 3: one word of low bits and one byte of high bits a place */
         for (int pos = 0; pos < 32; pos++) {
-            const int q = v[pos / 2][2 * r + pos % 2], at = hp_ksplit_low_at(r, pos) + r % 4 / 2;
-            tile[at] |= (uint8_t)((q & 15) << 4 * (r % 2));
-            if (q6) tile[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(r, pos)] |= (uint8_t)((q >> 4) << 2 * (r % 4));
+            const uint8_t *col = v[pos / 2] + 8 * g + pos % 2; /* row 4 g + j's value at col[2 j] */
+            unsigned low = 0, high = 0;
+            for (int j = 0; j < 4; j++)
+                low |= (col[2 * j] & 15u) << 4 * j, high |= (unsigned)(col[2 * j] >> 4) << 2 * j;
+            uint8_t *at = tile + hp_ksplit_low_at(4 * g, pos);
+            at[0] = (uint8_t)low, at[1] = (uint8_t)(low >> 8);
+            if (q6) tile[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(4 * g, pos)] = (uint8_t)high;
         }
 }
 
