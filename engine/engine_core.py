@@ -42,7 +42,9 @@ GRAMMAR_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long a 
 class EngineCore:
     """Owns the model, the KV pool, the block manager and the scheduler, and advances every request one step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
+        """``own_process``: a server's engine process, where the backend measures the machine once started
+        (``after_start_up``; in-process engines, as the tests make by the hundred, skip its second of timing)."""
         self.config = config
         self.device = config.resolve_device()
         torch.manual_seed(config.seed)
@@ -111,6 +113,9 @@ class EngineCore:
         self.memory_ledger = self._memory_ledger(probe)
         for line in self.memory_ledger.lines():
             logger.info(line)
+        if own_process:
+            self.backend.after_start_up()
+        self.backend.started()
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

@@ -54,15 +54,13 @@ def engine_info(engine: EngineCore) -> EngineInfo:
 
 def run_engine_loop(config: EngineConfig, receive: Receive, send: Send, own_process: bool = False) -> None:
     """``own_process``: in a process of its own (a server's engine), keep the start-up heap out of later garbage
-    collections, and let the backend measure the machine once started (``after_start_up``; in-process engines, as
-    the tests make by the hundred, skip its second of timing)."""
+    collections, and let the backend measure the machine once started (``EngineCore``'s ``own_process``)."""
     try:
-        engine = EngineCore(config)
+        engine = EngineCore(config, own_process)
     except Exception as e:
         send(EngineFailed(f"engine failed to start: {e}\n{traceback.format_exc()}"))
         return
     if own_process:
-        engine.backend.after_start_up()
         freeze_startup_heap()
     send(EngineReady(engine_info(engine)))
     try:

@@ -87,8 +87,8 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
 
 
 def test_the_first_start_serves_before_its_cache_file_is_written(small_q4_k_m, tmp_path, monkeypatch, counted_packs):
-    """The cache file is written by a thread of its own: the engine serves while the write is held up, and the
-    file is whole once it is let go."""
+    """The cache file is written by a thread of its own, started once the start-up's timings are taken: the engine
+    serves while the write is held up, and the file is whole once it is let go."""
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
     let_go, write = threading.Event(), panel_cache._HugePageWriter.write
 
@@ -98,7 +98,15 @@ def test_the_first_start_serves_before_its_cache_file_is_written(small_q4_k_m, t
         write(self, data)
 
     monkeypatch.setattr(panel_cache._HugePageWriter, "write", held)
+    writing_at_warm_up, warm_up = [], cpu_backend.CpuBackend.warm_up
+
+    def timed_start(self, engine) -> None:  # the start-up's timings run with no write beside them
+        writing_at_warm_up.append(any(t.name == "panel-cache-writer" for t in threading.enumerate()))
+        warm_up(self, engine)
+
+    monkeypatch.setattr(cpu_backend.CpuBackend, "warm_up", timed_start)
     llm = LLM(str(small_q4_k_m), max_model_len=256, kv_cache_memory=16 << 20)
+    assert writing_at_warm_up == [False]
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     assert not list((tmp_path / "panels").glob("*.json")) and not let_go.is_set()  # served, the file not yet made

@@ -133,6 +133,10 @@ class TorchBackend:
         """In a server's engine process, once warmed up: measure what only an otherwise idle machine shows (the API
         process loads its tokenizer and modules while the engine starts)."""
 
+    def started(self) -> None:
+        """Once the engine has started, its start-up timings all taken (``warm_up``, ``after_start_up``): start
+        what runs beside serving, which would have slowed those timings."""
+
     def weight_holders(self) -> list[object]:
         """What this backend keeps of the weights beside the model's modules (packed copies, C-side tables), for
         the memory ledger."""
