@@ -1379,42 +1379,51 @@ static inline float half_float(const uint8_t *p) {
     return (float)h;
 }
 
+/* Column n of Q4KS or Q6KS panels as split_column gives it: the scales from the super-block's header (amx.c's
+ * split_scales), the q where ops.h's hp_ksplit_low_at and hp_ksplit_high_at place them. */
+static void ksplit_column(int format, const char *packed, int64_t n, int K, float *row) {
+    const int64_t p = n / HP_BF16A_WIDTH, half = n % HP_BF16A_WIDTH / 16, c = n % 16;
+    for (int b = 0; b < K / 32; b++) {
+        float scales[32];
+        const int64_t head_bytes = hp_ksplit_head_bytes(format), tile_bytes = hp_ksplit_tile_bytes(format);
+        const char *super = packed + (p * (K / 256) + b / 8) * hp_ksplit_super_bytes(format);
+        const uint8_t *head = (const uint8_t *)super + half * head_bytes;
+        const float d = half_float(head + 2 * c);
+        if (format == HP_Q4KS) {
+            scales[c] = d * (float)head[HP_Q4KS_SCALES_AT + 16 * (b % 8) + c];
+            scales[16 + c] = -(half_float(head + HP_Q4KS_DMIN_AT + 2 * c) *
+                               (float)head[HP_Q4KS_MINS_AT + 16 * (b % 8) + c]);
+        } else {
+            scales[c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8)) + c];
+            scales[16 + c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8) + 1) + c];
+        }
+        const uint8_t *q = (const uint8_t *)super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes;
+        for (int kk = 0; kk < 32; kk++) {
+            const int r = kk / 2, pos = 2 * (int)c + kk % 2; /* the tile's row (a pair of k), the value's place */
+            int v = q[hp_ksplit_low_at(r, pos) + r % 4 / 2] >> 4 * (r % 2) & 15;
+            if (format == HP_Q4KS) {
+                row[b * 32 + kk] = fmaf(scales[c], (float)v, scales[16 + c]);
+            } else {
+                v |= (q[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(r, pos)] >> 2 * (r % 4) & 3) << 4;
+                row[b * 32 + kk] = scales[16 * (kk / 16) + c] * (float)(v - 32);
+            }
+        }
+    }
+}
+
 /* Column n of Q4S, Q6S, Q8S, Q4KS or Q6KS panels (the tiles' layouts: kernels/cpu/__init__.py's
  * pack_weight_q4a/q6a/q8a, ops.h's Q4KS and Q6KS) as its K weights in fp32: Q4S and Q4KS d q + m in one rounding,
  * as the Q4 panels' lanes; Q6S and Q6KS d (q - 32) and Q8S d q, exact. */
 static void split_column(int format, const char *packed, int64_t n, int K, float *row) {
+    if (hp_ksplit_format(format)) {
+        ksplit_column(format, packed, n, K, row);
+        return;
+    }
     const int64_t tile = hp_widened_tile_bytes(format), half = n % HP_BF16A_WIDTH / 16;
     const int64_t p = n / HP_BF16A_WIDTH, high = n % HP_BF16A_WIDTH / 8 % 2, c = n % 16, at = 2 * (c % 8);
     for (int b = 0; b < K / 32; b++) {
         const char *t = packed + ((p * (K / 32) + b) * 2 + half) * tile;
         float scales[32];
-        if (hp_ksplit_format(format)) { /* the scales from the super-block's header (amx.c's split_scales), the q
-                                            where ops.h's hp_ksplit_low_at and hp_ksplit_high_at place them */
-            const int64_t head_bytes = hp_ksplit_head_bytes(format), tile_bytes = hp_ksplit_tile_bytes(format);
-            const char *super = packed + (p * (K / 256) + b / 8) * hp_ksplit_super_bytes(format);
-            const uint8_t *head = (const uint8_t *)super + half * head_bytes;
-            const float d = half_float(head + 2 * c);
-            if (format == HP_Q4KS) {
-                scales[c] = d * (float)head[HP_Q4KS_SCALES_AT + 16 * (b % 8) + c];
-                scales[16 + c] = -(half_float(head + HP_Q4KS_DMIN_AT + 2 * c) *
-                                   (float)head[HP_Q4KS_MINS_AT + 16 * (b % 8) + c]);
-            } else {
-                scales[c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8)) + c];
-                scales[16 + c] = d * (float)(int8_t)head[HP_Q6KS_SCALES_AT + 16 * (2 * (b % 8) + 1) + c];
-            }
-            const uint8_t *q = (const uint8_t *)super + 2 * head_bytes + ((b % 8) * 2 + half) * tile_bytes;
-            for (int kk = 0; kk < 32; kk++) {
-                const int r = kk / 2, pos = 2 * (int)c + kk % 2; /* the tile's row (a pair of k), the value's place */
-                int v = q[hp_ksplit_low_at(r, pos) + r % 4 / 2] >> 4 * (r % 2) & 15;
-                if (format == HP_Q4KS) {
-                    row[b * 32 + kk] = fmaf(scales[c], (float)v, scales[16 + c]);
-                } else {
-                    v |= (q[HP_Q6KS_HIGH_AT + hp_ksplit_high_at(r, pos)] >> 2 * (r % 4) & 3) << 4;
-                    row[b * 32 + kk] = scales[16 * (kk / 16) + c] * (float)(v - 32);
-                }
-            }
-            continue;
-        }
         memcpy(scales, t, sizeof scales);
         for (int kk = 0; kk < 32; kk++) {
             const int r = kk / 2, e = kk % 2; /* the tile's row (a pair of k) and the pair's element */
