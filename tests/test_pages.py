@@ -1,18 +1,20 @@
 """Advice on a host buffer's pages (kernels/cpu/pages.py): the weights' panels on 2 MiB pages, a file mapping's pages
-handed back once read."""
+handed back once read, and the arena a first start packs into, remapped onto the file of its bytes."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kernels.cpu.pages import HUGE_PAGE, drop_pages, empty_on_huge_pages
+from kernels.cpu.pages import HUGE_PAGE, PanelArena, drop_pages, empty_panels
 
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()  # e.g. "always [madvise] never"
 THP_OFF = "[never]" in _THP_MODE
@@ -39,7 +41,7 @@ def smaps_field(address: int, field: str) -> int:
 def fresh_panel_and_plain_tensor() -> None:
     """The advised tensor lies on 2 MiB pages once written and carries the advice; a plain one beside it does not
     carry it. Run in a fresh process: a long one's heap may hand back memory advised earlier."""
-    out = empty_on_huge_pages(3, 4 << 20, dtype=torch.float32)  # 48 MiB
+    out = empty_panels(3, 4 << 20, dtype=torch.float32)  # 48 MiB
     assert out.shape == (3, 4 << 20) and out.dtype == torch.float32
     out.fill_(1.0)
     start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the advice splits the mapping: its middle holds these
@@ -62,7 +64,7 @@ def test_a_fresh_panel_tensor_lies_on_huge_pages_once_written():
 
 
 def test_a_small_tensor_is_a_plain_empty_tensor():
-    out = empty_on_huge_pages(5, 7, dtype=torch.int16)
+    out = empty_panels(5, 7, dtype=torch.int16)
     assert out.shape == (5, 7) and out.dtype == torch.int16 and out.is_contiguous()
 
 
@@ -76,3 +78,59 @@ def test_dropped_pages_of_a_file_mapping_leave_this_process_and_read_back_the_sa
     drop_pages(mapped.ctypes.data + 100, 32 * mmap.PAGESIZE)  # pages wholly inside: 31 of them
     assert smaps_field(mapped.ctypes.data, "Rss") == resident - 31 * mmap.PAGESIZE
     assert np.array_equal(mapped, data)
+
+
+def mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process ("" for anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_an_arena_hands_out_its_pages_in_order_within_taking_and_nothing_past_its_reserve():
+    arena = PanelArena(4 << 20)
+    outside = empty_panels(8, dtype=torch.int16)
+    with arena.taking():
+        a = empty_panels(1000, dtype=torch.float32)  # 4000 bytes: a page
+        b = empty_panels(3, 700, dtype=torch.uint8)
+        too_big = empty_panels(1 << 20, dtype=torch.float32)  # 4 MiB past the 4 KiB used
+    assert arena.address % HUGE_PAGE == 0
+    assert (arena.offset_of(a), arena.offset_of(b), arena.used) == (0, mmap.PAGESIZE, 2 * mmap.PAGESIZE)
+    assert b.shape == (3, 700) and b.dtype == torch.uint8 and b.is_contiguous()
+    assert arena.offset_of(too_big) is None and arena.offset_of(outside) is None
+    assert arena.offset_of(b[:, 1:]) is None  # not contiguous: not a whole entry of the image
+
+
+def test_a_remapped_arena_holds_the_files_bytes_at_the_same_addresses_while_it_is_read(tmp_path):
+    arena = PanelArena(64 << 20)
+    with arena.taking():
+        panels = [empty_panels(n, dtype=torch.float32) for n in (3 << 20, 5000, 2 << 20)]
+    for i, p in enumerate(panels):
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    expected = [p.clone() for p in panels]
+    path = tmp_path / "panels.bin"
+    path.write_bytes(arena.image())
+    assert mapped_file(panels[0].data_ptr()) == ""
+    sums, stop = [], threading.Event()
+
+    def read() -> None:  # a reader all through the remap, as an engine's step is
+        while not stop.is_set():
+            sums.append(sum(float(p.sum()) for p in panels))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        arena.remap(fd)
+    finally:
+        os.close(fd)
+    stop.set()
+    reader.join()
+    assert all(mapped_file(p.data_ptr()) == str(path) for p in panels)
+    assert all(torch.equal(p, e) for p, e in zip(panels, expected, strict=True))
+    assert len(set(sums)) == 1  # every read, before, during and after, the same bytes
+    with arena.taking():  # remapped: no more pages handed out
+        assert arena.offset_of(empty_panels(16, dtype=torch.float32)) is None

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.backends import cpu as cpu_backend
 from engine.backends import panel_cache, widened
@@ -20,6 +21,7 @@ from engine.llm import LLM
 from engine.models.quantized import FileBlocks
 from engine.sampling_params import SamplingParams
 from kernels import cpu
+from tests.test_pages import mapped_file
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
 
@@ -115,6 +117,26 @@ def test_the_first_start_serves_before_its_cache_file_is_written(small_q4_k_m, t
     assert sorted(p.suffix for p in (tmp_path / "panels").iterdir()) == [".bin", ".json"]
 
 
+def test_a_first_starts_panels_are_read_from_its_cache_files_pages_once_written(small_q4_k_m, tmp_path,
+                                                                              counted_packs):
+    """Packed into an arena whose bytes open the file; once it is written, the same tensors lie in the file's pages
+    at the same addresses, and a later start maps the same bytes from the offsets the index names."""
+    weights = blocks_of(small_q4_k_m)
+    cache = cache_of(small_q4_k_m, tmp_path)
+    packed = pack_all(cache, weights)
+    expected = [p.clone() for p in packed]
+    addresses = [p.data_ptr() for p in packed]
+    assert {mapped_file(a) for a in addresses} == {""}  # fresh memory while packing
+    cache.finish()
+    assert {mapped_file(a) for a in addresses} == {str(cache.data_path)}
+    assert [p.data_ptr() for p in packed] == addresses
+    assert all(torch.equal(p, e) for p, e in zip(packed, expected, strict=True))
+
+    later = cache_of(small_q4_k_m, tmp_path)
+    assert all(torch.equal(p, e) for p, e in zip(pack_all(later, weights), expected, strict=True))
+    assert len(counted_packs) == len(weights)  # mapped, not packed
+
+
 def test_panels_of_other_rows_are_packed_not_mapped_and_the_file_made_again(small_q4_k_m, tmp_path, counted_packs):
     weights = blocks_of(small_q4_k_m)
     cache = cache_of(small_q4_k_m, tmp_path)
@@ -141,7 +163,9 @@ def test_panels_of_other_rows_are_packed_not_mapped_and_the_file_made_again(smal
 def test_a_cut_short_cache_file_is_not_mapped_and_is_made_again(small_q4_k_m, tmp_path, counted_packs):
     weights = blocks_of(small_q4_k_m)
     cache = cache_of(small_q4_k_m, tmp_path)
-    fresh = pack_all(cache, weights)
+    # copies: once written, the file's pages are the first start's panels, and a file cut in place under a mapping
+    # faults (SIGBUS) where it is read past the cut; Harpoon replaces its files whole, never cuts one in place
+    fresh = [t.clone() for t in pack_all(cache, weights)]
     cache.finish()
     size = cache.data_path.stat().st_size
     os.truncate(cache.data_path, size // 2)
@@ -262,12 +286,13 @@ def _packed_weights(model) -> dict[str, torch.Tensor]:
             if isinstance(getattr(module, "kernel", None), (cpu_backend.PackedLinear, cpu_backend.PackedEmbedding))}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("dtype", "stored"), [("bfloat16", "float32"), ("float32", "float32"),
+                                              ("float32", "bfloat16")])
 def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weight_file_changes(
-        tiny_model, tmp_path, monkeypatch, dtype):
+        tiny_model, tmp_path, monkeypatch, dtype, stored):
     """A folder of safetensors (untied: its head, and in bfloat16 its embedding's lookups, have panels of their own)
     packs at its first start, maps every panel at the next and serves the same tokens; a rewritten weight file packs
-    anew."""
+    anew. A bfloat16 checkpoint served in fp32 has BF16 panels, packed with nothing let go in the arena."""
     monkeypatch.setattr(panel_cache, "MIN_BYTES", 0)
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
     # every start takes the bodies the first one timed fastest: in bfloat16 the body decides the panels (BF16A for
@@ -285,11 +310,18 @@ def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weigh
     folder.mkdir()
     for f in tiny_model("llama-mha-untied-llama3-rope").iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
+    if stored == "bfloat16":
+        for shard in folder.glob("*.safetensors"):
+            save_file({k: v.to(torch.bfloat16) for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
     options = dict(dtype=dtype, kv_cache_memory=4 << 20, max_num_batched_tokens=64, gemm_kernels="c")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     first = LLM(str(folder), **options)
     assert first.engine.backend.mapped_weight_bytes() == 0
+    cache = first.engine.backend.panel_cache
+    cache.wait()
+    in_arena = [t for t in cache._used.values() if cache._arena.offset_of(t) is not None]
+    assert in_arena and cache._arena.used == sum(-(-t.nbytes // 4096) * 4096 for t in in_arena)  # nothing let go
     tokens = [o.outputs[0].token_ids for o in first.generate(PROMPT_IDS, params)]
     panels = {name: p.clone() for name, p in _packed_weights(first.engine.model).items()}
     # (fp32 lookups read the table itself: its random values are no 4- or 8-bit blocks, so it has no panels)

@@ -15,7 +15,9 @@ a changed fusion or row order misses and is packed anew; a dense weight's by its
 and the packing function. It never maps the wrong panels. The file is written whole, beside its place and renamed
 into it, its index last; older files of the same source, and those of sources gone or changed, are removed then.
 The engine writes it from a thread of its own while it serves (``finish(wait=False)``); a server stopped before
-the write ends leaves a half-written file, which the next start removes.
+the write ends leaves a half-written file, which the next start removes. A first start packs into an arena
+(``kernels.cpu.pages.PanelArena``) whose bytes open the file as they lie, and once the file is written the arena is
+remapped onto it: from then on the first start reads its panels from the file's pages, as a later start does.
 Small models are not cached (``MIN_BYTES``): they pack in well under a second.
 
 The pages are the page cache's, so they count as available memory (/proc/meminfo): the KV pool's budget leaves them
@@ -34,13 +36,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from engine.models.quantized import FileBlocks
-from kernels.cpu.pages import HUGE_PAGE
+from kernels.cpu.pages import HUGE_PAGE, MADV_POPULATE_READ, PanelArena
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ CACHE_VERSION = 1  # of this file's format
 MIN_BYTES = 256 << 20  # panels below this are packed at each start (a 135M model's take ~0.1 s)
 ALIGN = 4096  # each entry on a page of its own
 SPARE_DISK = 1 << 30  # what writing leaves free on the disk at least
-MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in now, as reads (no private copies)
+ARENA_RESERVE = 3  # the arena's address space in sources' sizes, reserved, not committed (a bf16 file's fp32: 2)
 _TMP_PREFIX = ".tmp-{pid}-"  # a file being written, by process pid
 _WRITERS: dict[Path, threading.Thread] = {}  # the background writes of this process, by the file each writes
 
@@ -81,11 +84,14 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _weight_files(source: Path) -> list[Path]:
+    return sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
+
+
 def source_stamp(source: Path) -> str:
     """What changes when ``source`` (a GGUF file, or a folder of safetensors) is written again: the size and mtime
     of the file, or of each of the folder's weight files."""
-    files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
-    return ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in files for st in [f.stat()])
+    return ";".join(f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in _weight_files(source) for st in [f.stat()])
 
 
 class PanelCache:
@@ -105,12 +111,19 @@ class PanelCache:
         self._entries: dict[str, dict] = {}
         self._used: dict[str, torch.Tensor] = {}  # every weight packed or mapped, by its name, in packing order
         self._packed = 0  # of those, weights packed here
+        self._arena: PanelArena | None = None  # what they are packed into, where the file will be written
         self.wait()  # another start's writer of this very file, in this process: its file, once whole
         self._open()
+        source_bytes = sum(f.stat().st_size for f in _weight_files(self.source))
+        if self._mapping is None and source_bytes >= MIN_BYTES:
+            try:
+                self._arena = PanelArena(ARENA_RESERVE * source_bytes + (1 << 30))
+            except OSError as e:  # address space refused (strict overcommit): packed into fresh tensors instead
+                logger.info("panels packed outside an arena: %s", e)
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes of panels held as the cache file's pages (none where the file was written this start)."""
+        """Bytes of panels mapped at this start from the cache file an earlier start wrote."""
         return len(self._mapping) if self._mapping is not None else 0
 
     def _open(self) -> None:
@@ -150,7 +163,8 @@ class PanelCache:
     def _entry(self, key: str, pack: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         panels = self._mapped(self._entries.get(key))
         if panels is None:
-            panels = pack()
+            with self._arena.taking() if self._arena is not None else nullcontext():
+                panels = pack()
             if panels is None:
                 return None
             self._packed += 1
@@ -182,7 +196,9 @@ class PanelCache:
         0.2-1 GB/s), more than packing the panels did; the server is up without it, and the next start needs it."""
         if not self._packed and self._used.keys() == self._entries.keys():
             return
-        total = sum(_aligned(t.nbytes) for t in self._used.values())
+        arena = self._arena
+        outside = [t for t in self._used.values() if arena is None or arena.offset_of(t) is None]
+        total = (arena.used if arena is not None else 0) + sum(_aligned(t.nbytes) for t in outside)
         if total < MIN_BYTES:
             return
         if wait:
@@ -211,24 +227,49 @@ class PanelCache:
                             (total + SPARE_DISK) / 2**20)
                 return
             started = time.monotonic()
-            self._write()
+            written = self._write()
         except OSError as e:  # a cache only: the server runs as well without it
             logger.warning("panels not cached in %s: %s", self.folder, e)
             return
         logger.info("panels of %s cached in %s: %.0f MiB in %.1f s (mapped from there at the next start)",
                     self.source.name, self.data_path, total / 2**20, time.monotonic() - started)
+        try:
+            self._remap(written)
+        finally:
+            os.close(written)
 
-    def _write(self) -> None:
-        entries, offset = {}, 0
+    def _remap(self, written: int) -> None:
+        """The arena's panels onto the file just written (``written``: its descriptor, whatever its name holds now),
+        whose first bytes are the arena's."""
+        if self._arena is None or not self._arena.used:
+            return
+        try:
+            self._arena.remap(written)
+        except OSError as e:  # they stay where they were packed
+            logger.warning("panels not remapped onto %s: %s", self.data_path, e)
+            return
+        logger.info("panels of %s read from %s's pages from now on: %.0f MiB", self.source.name, self.data_path,
+                    self._arena.used / 2**20)
+
+    def _write(self) -> int:
+        """The arena's bytes as they lie (their entries at their offsets in it), then the other panels; a descriptor
+        of the file written, for the caller to close."""
+        arena = self._arena
+        entries, offset = {}, arena.used if arena is not None else 0
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX.format(pid=os.getpid()), suffix=".bin")
+        written = os.dup(fd)  # the file itself, whatever its name comes to hold
         try:
             with _HugePageWriter(fd) as f:
+                if offset:
+                    f.write(arena.image())
                 for name, panels in self._used.items():
+                    at = arena.offset_of(panels) if arena is not None else None
+                    if at is None:
+                        f.write(memoryview(panels.contiguous().view(-1).view(torch.uint8).numpy()))
+                        f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
+                        at, offset = offset, offset + _aligned(panels.nbytes)
                     entries[name] = {"dtype": str(panels.dtype).removeprefix("torch."), "shape": list(panels.shape),
-                                     "offset": offset}
-                    f.write(memoryview(panels.contiguous().view(-1).view(torch.uint8).numpy()))
-                    f.write(bytes(_aligned(panels.nbytes) - panels.nbytes))
-                    offset += _aligned(panels.nbytes)
+                                     "offset": at}
             os.replace(tmp, self.data_path)
             index = {"version": CACHE_VERSION, "source": str(self.source), "stamp": self.stamp, "bytes": offset,
                      "entries": entries}
@@ -238,7 +279,9 @@ class PanelCache:
             os.replace(tmp, self.index_path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
+            os.close(written)
             raise
+        return written
 
     def _remove_abandoned(self) -> None:
         """Remove the half-written files of writers no longer running (a server stopped while its first start

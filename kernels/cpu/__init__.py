@@ -28,7 +28,7 @@ import torch
 
 from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
-from kernels.cpu.pages import empty_on_huge_pages
+from kernels.cpu.pages import empty_panels
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
@@ -178,7 +178,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     n, k = weight.shape
     panel = _library().hp_panel_width()
-    packed = empty_on_huge_pages(cdiv(n, panel), k, panel, dtype=torch.float32)
+    packed = empty_panels(cdiv(n, panel), k, panel, dtype=torch.float32)
     _library().hp_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
@@ -267,7 +267,7 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
         raise ValueError(f"ggml type {ggml_type}: {in_features} inputs are not whole blocks of {per}")
     shape = (cdiv(n, width), in_features // per, block_bytes // dtype.itemsize)
     if out is None:
-        out = empty_on_huge_pages(*shape, dtype=dtype)
+        out = empty_panels(*shape, dtype=dtype)
     elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of {shape}")
     written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
@@ -292,7 +292,7 @@ def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> t
     if "amx" not in bf16_dots():
         raise ValueError("Q4A, Q6A and Q8A panels need AMX tiles, which this CPU or build lacks")
     rows = rows.to(torch.int64).contiguous()
-    out = empty_on_huge_pages(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP,
+    out = empty_panels(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP,
                               2 * WIDENED_TILE_BYTES[dtype], dtype=dtype)
     written = _library().hp_pack_gguf_widened(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
@@ -322,7 +322,7 @@ def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int) -> to
         raise ValueError(f"{FORMAT_NAMES[dtype]} panels need in_features a multiple of {blocks.SUPER}, got "
                          f"{in_features}")
     rows = rows.to(torch.int64).contiguous()
-    out = empty_on_huge_pages(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER,
+    out = empty_panels(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER,
                               KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
     written = _library().hp_pack_gguf_ksplit(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
@@ -339,14 +339,14 @@ def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
     packed = pack_weight_blocks(weight)
     if packed is not None:
         return packed
-    full = pack_weight(weight)
+    _check(weight, torch.float32, "weight")
     if (bf16_panels_enabled() and weight.shape[1] % 2 == 0
             and not (weight.contiguous().view(torch.int32) & 0xFFFF).any()):
-        high = (full.view(torch.int32) >> 16).to(torch.int16)  # the bf16 values, bit for bit
-        panels, k, width = high.shape  # each two consecutive k of a column side by side, as ops.c reads them
-        pairs = high.view(panels, k // 2, 2, width).transpose(2, 3).contiguous()
-        return pairs.view(torch.bfloat16).view(panels, k, width)
-    return full
+        # the bf16 values, bit for bit (the low halves are zero), each two consecutive k of a column side by side,
+        # as ops.c reads them; packed straight, with no fp32 panels first (a first start's arena keeps what it
+        # hands out: pages.py's PanelArena)
+        return _bf16_pairs(weight, _library().hp_panel_width(), torch.bfloat16)
+    return pack_weight(weight)
 
 
 def pack_weight_bf16c(weight: torch.Tensor) -> torch.Tensor:
@@ -475,7 +475,7 @@ def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
     took 1106 MiB at its peak, now 606: the panels alone)."""
     n, k = weight.shape
     bits = weight.to(torch.bfloat16).contiguous()
-    out = empty_on_huge_pages(cdiv(n, width), k // 2, width, 2, dtype=torch.int16)
+    out = empty_panels(cdiv(n, width), k // 2, width, 2, dtype=torch.int16)
     _library().hp_pack_words(bits.data_ptr(), out.data_ptr(), n, k // 2, width)
     return out.view(-1, k, width).view(dtype)
 
