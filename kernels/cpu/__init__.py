@@ -307,12 +307,13 @@ KSPLIT_SUPER_BYTES = {torch.bits4x2: 2 * (16 * 2 * 2 + 2 * 8 * 16) + 8 * 2 * 16 
 GGUF_KSPLIT_DTYPES = {12: torch.bits4x2, 14: torch.bits8}  # ggml's Q4_K and Q6_K
 
 
-def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Q4KS or Q6KS panels of a GGUF file's Q4_K or Q6_K blocks read where they lie (``gguf_pack.c``): Q4S's and
     Q6S's products, fp32 on AMX tiles with the same bits, from the file's scales per 256 inputs instead of fp32
     scales per 32 (or 16), in 0.58 and 0.82 bytes a weight where Q4S and Q6S take 0.75 and 1 (bits4x2 or bits8
-    [ceil(N / 32), K / 256, super-block bytes], dtypes that only name the format). Only where ``"amx" in
-    bf16_dots()``."""
+    [ceil(N / 32), K / 256, super-block bytes], dtypes that only name the format); written into ``out`` (as
+    returned before) where given (a lab's repetitions). Only where ``"amx" in bf16_dots()``."""
     dtype = GGUF_KSPLIT_DTYPES.get(ggml_type)
     if dtype is None:
         raise ValueError(f"ggml type {ggml_type} has no K-quant split panel format (Q4_K and Q6_K have)")
@@ -322,8 +323,12 @@ def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int) -> to
         raise ValueError(f"{FORMAT_NAMES[dtype]} panels need in_features a multiple of {blocks.SUPER}, got "
                          f"{in_features}")
     rows = rows.to(torch.int64).contiguous()
-    out = empty_panels(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER,
-                              KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
+    shape = (cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.SUPER, KSPLIT_SUPER_BYTES[dtype])
+    if out is None:
+        out = empty_panels(*shape, dtype=torch.uint8)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {FORMAT_NAMES[dtype]} tensor of {shape}")
+    out = out.view(torch.uint8)
     written = _library().hp_pack_gguf_ksplit(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")

@@ -31,15 +31,19 @@ def main(argv: list[str] | None = None) -> None:
         seen.add(t.tensor_type)
         n, k = int(t.shape[1]), int(t.shape[0])
         rows = torch.arange(n, dtype=torch.int64) * (t.data.nbytes // n) + t.data.ctypes.data
-        out = cpu.pack_gguf_rows(int(t.tensor_type), rows, k)
-        times = []
-        for _ in range(args.rounds):
-            started = time.perf_counter()
-            cpu.pack_gguf_rows(int(t.tensor_type), rows, k, out)
-            times.append(time.perf_counter() - started)
-        best = min(times)
-        print(f"| {t.tensor_type.name} | {t.name} | {t.data.nbytes / 2**20:.0f} | {best * 1000:.1f} | "
-              f"{t.data.nbytes / best / 1e9:.2f} |")
+        packers = {"": cpu.pack_gguf_rows}
+        if int(t.tensor_type) in cpu.GGUF_KSPLIT_DTYPES and "amx" in cpu.bf16_dots():
+            packers[" as Q4KS/Q6KS"] = cpu.pack_gguf_ksplit  # the fp32 tiles' panels (AMX)
+        for name, pack in packers.items():
+            out = pack(int(t.tensor_type), rows, k)
+            times = []
+            for _ in range(args.rounds):
+                started = time.perf_counter()
+                pack(int(t.tensor_type), rows, k, out)
+                times.append(time.perf_counter() - started)
+            best = min(times)
+            print(f"| {t.tensor_type.name}{name} | {t.name} | {t.data.nbytes / 2**20:.0f} | {best * 1000:.1f} | "
+                  f"{t.data.nbytes / best / 1e9:.2f} |")
 
 
 if __name__ == "__main__":
