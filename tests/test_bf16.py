@@ -545,3 +545,25 @@ def test_a_family_the_user_chose_is_not_timed():
     for family in ("c", "onednn") if gemm_plan.library_available(torch.float32) else ("c",):
         plan = gemm_plan.measure_plan([torch.randn(32, 64)], untimed, torch.float32, family=family)
         assert plan.choice == (family,) * len(plan.buckets) and plan.gflops == {}
+
+
+def test_timed_bodies_take_turns_and_each_keeps_its_best(monkeypatch):
+    """A clock that only the bodies move: "tiles" is slow through its first calls (the machine busy a moment while
+    it alone was timed), "fmas" steady. Timed in turns, tiles' later turns show its real time; each call of a turn
+    alternates with the other body's."""
+    from engine.backends import gemm_plan
+
+    now, calls = [0.0], []
+
+    def body(name: str, times: list[float]):
+        def call() -> None:
+            calls.append(name)
+            k = sum(1 for c in calls if c == name) - 1
+            now[0] += times[min(k, len(times) - 1)]
+        return call
+
+    monkeypatch.setattr(gemm_plan.time, "perf_counter", lambda: now[0])
+    best = gemm_plan.best_in_turns({"tiles": body("tiles", [0.2, 0.2, 0.1]), "fmas": body("fmas", [0.15])}, turns=2)
+    assert best == pytest.approx({"tiles": 0.1, "fmas": 0.15})
+    assert calls == ["tiles", "tiles", "fmas", "fmas", "tiles", "fmas", "tiles", "fmas"]
+    assert gemm_plan.seconds_per_call(body("one", [0.05]), rounds=3) == pytest.approx(0.05) and calls.count("one") == 4

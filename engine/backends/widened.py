@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends.gemm_plan import seconds_per_call
+from engine.backends.gemm_plan import best_in_turns
 from engine.models.linear import Linear
 from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
 from kernels import cpu as cpu_kernels
@@ -103,7 +103,8 @@ def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int,
           mine: Callable[[Blocks], Panels] = panels,
           budget: int = TIMING_BYTES) -> tuple[dict[Linear, Panels], dict[str, float]]:
     """``mine`` (the widened panels) of the first layers' projections in ``taken``, and the seconds AMX takes to
-    multiply those, and the rival's panels (a name and its packing) the same products, at each of ``rows``, summed.
+    multiply those, and the rival's panels (a name and its packing) the same products, at each of ``rows``, summed
+    (the best of turns they take, ``best_in_turns``).
     Over every such projection of as many layers as ``budget`` bytes of bfloat16 hold, as a step streams them. NOTE: the
     saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large L3, ten
     layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
@@ -123,7 +124,7 @@ def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int,
     if not made:
         return {}, {}
     inputs = [{k: torch.randn(m, k) for k in {module.in_features for module in made}} for m in rows]
-    seconds = {name: sum(seconds_per_call(partial(_each, packs, x)) for x in inputs) for name, packs in weights.items()}
+    seconds = best_in_turns({name: partial(_each, packs, inputs) for name, packs in weights.items()})
     logger.info("GGUF blocks widened on AMX (%d weights, %.0f MiB in bfloat16), ms at %s rows: %s", len(made),
                 size / 2**20, " + ".join(map(str, rows)), ", ".join(f"{n} {s * 1000:.2f}" for n, s in seconds.items()))
     return made, seconds
@@ -134,7 +135,9 @@ def faster(seconds: dict[str, float]) -> bool:
     return bool(seconds) and seconds["widened"] < min(s for n, s in seconds.items() if n != "widened")
 
 
-def _each(packs: list[Panels], inputs: dict[int, torch.Tensor]) -> None:
-    for packed in packs:
-        part = packed[0] if isinstance(packed, tuple) else packed
-        multiply(packed, inputs[cpu_kernels.packed_geometry(part)[0]])
+def _each(packs: list[Panels], inputs: list[dict[int, torch.Tensor]]) -> None:
+    """Every weight's product at each batch of ``inputs`` (by in_features)."""
+    for x in inputs:
+        for packed in packs:
+            part = packed[0] if isinstance(packed, tuple) else packed
+            multiply(packed, x[cpu_kernels.packed_geometry(part)[0]])
