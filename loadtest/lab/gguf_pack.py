@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = torch.arange(n, dtype=torch.int64) * (t.data.nbytes // n) + t.data.ctypes.data
         packers = {"": cpu.pack_gguf_rows}
         if int(t.tensor_type) in cpu.GGUF_KSPLIT_DTYPES and "amx" in cpu.bf16_dots():
-            name = cpu.FORMAT_NAMES[cpu.GGUF_KSPLIT_DTYPES[int(t.tensor_type)]]
-            packers[f" as {name}"] = cpu.pack_gguf_ksplit  # the fp32 tiles' panels (AMX)
+            tiles = cpu.FORMAT_NAMES[cpu.GGUF_KSPLIT_DTYPES[int(t.tensor_type)]]
+            packers[f" as {tiles}"] = cpu.pack_gguf_ksplit  # the fp32 tiles' panels (AMX)
         for name, pack in packers.items():
             out = pack(int(t.tensor_type), rows, k)
             times = []
