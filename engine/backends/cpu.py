@@ -37,10 +37,10 @@ from engine.backends.base import TorchBackend
 from engine.backends.gemm_plan import (
     GemmPlan,
     OneDnnLinear,
+    best_in_turns,
     c_panels_plan,
     matmul_peak_gflops,
     measure_plan,
-    seconds_per_call,
 )
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_rows
 from engine.backends.panel_cache import PanelCache
@@ -407,12 +407,7 @@ class CpuBackend(TorchBackend):
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
 
-def _seconds(kernel: PackedLinear | SplitLinear, in_features: int, rows: tuple[int, ...], rounds: int = 3) -> float:
-    """Seconds a product takes at each of ``rows``, summed (``seconds_per_call``'s median of ``rounds``)."""
-    return sum(seconds_per_call(partial(kernel, torch.randn(m, in_features), None), rounds=rounds) for m in rows)
-
-
-TIMING_ROUNDS = 5  # turns each body takes in _fastest_dot
+TIMING_TURNS = 5  # calls each body's best is taken over in _fastest_dot (the call that sizes its turns is one)
 
 
 def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLinear | SplitLinear, in_features: int,
@@ -420,17 +415,22 @@ def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLi
     """Time each body a product can run on (``dots``, made current by ``use``: the integer dot products VNNI and
     AVX2's maddubs, which give the same bits; avx512_bf16's dot product and AMX tiles; or the fp32 products' panels
     one or two at a time, the same bits) on a projection at ``rows``, and keep the fastest in the sum, for every
-    product of the process: measured here rather than assumed from the CPU's flags. The bodies take turns over
-    ``TIMING_ROUNDS`` rounds and each keeps its best. NOTE: timed one after the other, once each, the fp32 bodies
-    on an AMD EPYC with AVX-512 read 4.01 / 1.35 ms (the first timed paid for the start) and 3.62 / 3.70 (the
-    machine slow for a moment): that server kept the body whose 64-client forward is 8-13% slower for its life.
-    Three turns still read 1.89 / 2.56 once in six starts."""
+    product of the process: measured here rather than assumed from the CPU's flags. The bodies take turns
+    (``best_in_turns``) and each keeps its best. NOTE: timed one after the other, once each, the fp32 bodies on an
+    AMD EPYC with AVX-512 read 4.01 / 1.35 ms (the first timed paid for the start) and 3.62 / 3.70 (the machine
+    slow for a moment): that server kept the body whose 64-client forward is 8-13% slower for its life. Three turns
+    still read 1.89 / 2.56 once in six starts. NOTE: each turn once warmed its body up again before timing it,
+    which only a body's first call needs: an 8B Q4_K_M's fp32 bodies (~0.1 s a call at 16 + 64 rows) took 2.2-2.7
+    s of its load step so, and as long again once started (``after_start_up``)."""
     if len(dots) > 1:
-        seconds = dict.fromkeys(dots, float("inf"))
-        for _ in range(TIMING_ROUNDS):
-            for dot in dots:
-                use(dot)
-                seconds[dot] = min(seconds[dot], _seconds(kernel, in_features, rows, rounds=1))
+        inputs = [torch.randn(m, in_features) for m in rows]
+
+        def run(dot: str) -> None:
+            use(dot)
+            for x in inputs:
+                kernel(x, None)
+
+        seconds = best_in_turns({dot: partial(run, dot) for dot in dots}, turns=TIMING_TURNS - 1)
         logger.info("%s, ms at %s rows: %s", what, " + ".join(map(str, rows)),
                     ", ".join(f"{dot} {s * 1000:.2f}" for dot, s in seconds.items()))
         dots = sorted(dots, key=seconds.get)
