@@ -441,41 +441,6 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
 }
 
-#if defined(__AVX512F__) && NV == 3
-typedef int v16i __attribute__((vector_size(64), aligned(4)));
-#define HP_UNPACK_PAIRS 1
-/* unpack's vectors v = 0 and 1 (a panel's first 16 columns, side by side in a block's scales and words) of block k
- * of a format other than the K-quants', 16 lanes a register: per lane the same operations as the 8-lane code, so
- * the same values. */
-static inline void unpack_first16(const void *panel, int k, float *out, int format) {
-    const float *s = (const float *)((const char *)panel + (int64_t)(k / Q8_GROUP) * block_bytes(format));
-    const int halves = format == Q6M_PANELS, with_m = block_with_m(format), nibbles = block_nibbles(format);
-    const int per_word = nibbles ? 8 : 4;
-    const v16f d0 = *(const v16f *)s, d1 = halves ? *(const v16f *)(s + NR) : d0;
-    const v16f m0 = with_m ? *(const v16f *)(s + (halves ? 2 : 1) * NR) : (v16f){0};
-    const v16f m1 = halves ? *(const v16f *)(s + 3 * NR) : m0;
-    const int32_t *words = (const int32_t *)(s + block_scales(format) * NR);
-    for (int g = 0; g < Q8_GROUP / per_word; g++) {
-        const int second = g >= Q8_GROUP / per_word / 2;
-        const v16f d = second ? d1 : d0, m = second ? m1 : m0;
-        const v16i w = *(const v16i *)(words + 8 * NV * g);
-#pragma GCC unroll 8
-        for (int kk = 0; kk < per_word; kk++) {
-            v16f value;
-            if (nibbles) {
-                value = d * __builtin_convertvector((w >> (4 * kk)) & 15, v16f) + m;
-            } else {
-                value = d * __builtin_convertvector((w << (24 - 8 * kk)) >> 24, v16f);
-                if (with_m) value += m;
-            }
-            *(v16f *)(out + (int64_t)(k + per_word * g + kk) * NR) = value;
-        }
-    }
-}
-#else
-#define HP_UNPACK_PAIRS 0
-#endif
-
 /* A block or BF16 panel's kc x NR slice as the fp32 panel slice of the same weights (kc a multiple
  * of 32; of 2 for BF16). */
 static void unpack(const void *panel, int kc, float *out, int format) {
@@ -489,15 +454,8 @@ static void unpack(const void *panel, int kc, float *out, int format) {
         return;
     }
     const int nibbles = block_nibbles(format), with_m = block_with_m(format), per_word = nibbles ? 8 : 4;
-    const int first16 = HP_UNPACK_PAIRS && !kquant(format) ? 2 : 0; /* vectors unpack_first16 takes */
     for (int k = 0; k < kc; k += Q8_GROUP)
         for (int v = 0; v < NV; v++) {
-#if HP_UNPACK_PAIRS
-            if (v < first16) {
-                if (v == 0) unpack_first16(panel, k, out, format);
-                continue;
-            }
-#endif
             v8f d0, d1, m0, m1;
             const v8iu *words = block_at(panel, k, format, v, &d0, &d1, &m0, &m1);
             for (int g = 0; g < Q8_GROUP / per_word; g++) {
