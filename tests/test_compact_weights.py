@@ -69,7 +69,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 90, 300])  # in registers up to 4 rows; unpacked from 5; row blocks
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 90, 300])  # registers to 4 or 8 rows; unpacked after; row blocks
 @pytest.mark.parametrize("k,n", [(576, 960), (64, 20), (1536, 576), (32, 49)])
 @pytest.mark.parametrize("grid", ["q4", "q8", "q4_0", "q4_k", "q5_0"])
 def test_block_panels_compute_the_bits_of_fp32_panels(grid, m, k, n):

@@ -165,6 +165,19 @@ static float exp_sub_sum(float *x, int n, float sub) {
 #define MR 4
 #endif
 #define NR (8 * NV)
+/* Rows the register micro-kernel (micro_kernel: block, int8 and BF16 panels widened in registers, fp32 activations)
+ * takes at once: MR, or 8 where AVX-512 gives 32 vector registers (24 accumulators). Each output is the same FMA
+ * chain either way, so the bits do not change. Why: from MR + 1 rows on, a block panel was widened into an fp32
+ * slice first, a fixed ~8.7 ms a step of the default model's products; in registers, 5 rows took 9.4 ms of products
+ * a step against 16.9, 8 rows 16.0 against 20.4 (Q4 panels; Q8 10.2 / 20.6 and 15.7 / 25.0; AMD EPYC Zen 4, python -m
+ * loadtest.lab.kernel_ab HEAD "HEAD -DMR=8" --format q4,q8 --rows 1,4,5,8). */
+#ifndef MRF
+#if defined(__AVX512F__) && defined(__AVX512VL__) && NV == 3
+#define MRF 8
+#else
+#define MRF MR
+#endif
+#endif
 
 int hp_panel_width(void) { return NR; }
 
@@ -346,10 +359,10 @@ static inline v8f q6_lane(v8i w, v8i h, int g, int kk, v8f d, v8f m) {
 static inline v8f q8_lane(v8i w, int kk, v8f d) { return d * int8_lane(w, kk); }
 
 /* c[i] += x[i][k] * b for the rows of a micro-tile: one broadcast of x per row. */
-static inline __attribute__((always_inline)) void accumulate(int rows, v8f c[MR][NV], const float *x, int64_t ldx,
+static inline __attribute__((always_inline)) void accumulate(int rows, v8f c[MRF][NV], const float *x, int64_t ldx,
                                                              int k, const v8f b[NV]) {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
+    for (int i = 0; i < MRF; i++) {
         if (i < rows) {
             v8f a = splat8(x[i * ldx + k]); /* one vbroadcastss from memory */
 #pragma GCC unroll 4
@@ -365,9 +378,9 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
                                                                const void *panel, int kc, float *y, int64_t ldy,
                                                                int cols, const float *bias, const float *scale,
                                                                int first, int format) {
-    v8f c[MR][NV], b[NV];
+    v8f c[MRF][NV], b[NV];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
+    for (int i = 0; i < MRF; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[i][v] = (v8f){0};
     if (format == F32_PANELS) {
@@ -422,7 +435,7 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
     }
     const int scaled = format == I8_PANELS && scale;
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
+    for (int i = 0; i < MRF; i++) {
         if (i >= rows) break;
         float *yi = y + i * ldy;
         if (cols == NR && !bias) {
@@ -485,26 +498,31 @@ static inline int64_t panel_bytes(int64_t k, int format) {
 #ifndef KC
 #define KC 768
 #endif
-/* Rows m0..m1 of y (+)= x . one panel slice (kc x NR), in blocks of MR rows; x and y start at the slice's k0, n0. */
+/* Rows m0..m1 of y (+)= x . one panel slice (kc x NR), in blocks of MRF rows; x and y start at the slice's k0, n0. */
 static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, const float *x, int64_t ldx,
                                                              const void *panel, int kc, float *y, int64_t ldy,
                                                              int cols, const float *b, const float *sc, int first,
                                                              int format) {
-    for (int m = m0; m < m1; m += MR) {
+    _Static_assert(MRF <= 8 && (MRF == 8 || MRF <= 5), "panel_rows has a case for every row count below MRF");
+    for (int m = m0; m < m1; m += MRF) {
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
-        switch (m1 - m < MR ? m1 - m : MR) {
+        switch (m1 - m < MRF ? m1 - m : MRF) {
         /* a constant row count per call, so each case compiles to its own unrolled kernel */
         case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
         case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
-#if MR > 3
+#if MRF > 3
         case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
 #endif
-#if MR > 4
+#if MRF > 4
         case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
-        case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
 #endif
-        default: micro_kernel(MR, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+#if MRF > 5
+        case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 6: micro_kernel(6, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 7: micro_kernel(7, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+#endif
+        default: micro_kernel(MRF, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
         }
     }
 }
@@ -640,8 +658,8 @@ static __attribute__((noinline)) void panel_rows_f32(int m0, int m1, const float
 #endif
 }
 
-/* Panel p of the product for rows m0..m1: every k block, every block of MR rows. A compact slice that more than
- * one row block reads is unpacked to fp32 once, so its widening is not repeated for every MR rows. */
+/* Panel p of the product for rows m0..m1: every k block, every block of MRF rows. A compact slice that more than
+ * one row block reads is unpacked to fp32 once, so its widening is not repeated for every MRF rows. */
 static inline __attribute__((always_inline)) void panel_product(int p, int m0, int m1, const float *x, int64_t ldx,
                                                                 const void *packed, const float *bias,
                                                                 const float *scales, float *y, int64_t ldy, int N,
@@ -653,7 +671,7 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
         const void *panel = (const char *)packed + panel_bytes((int64_t)p * K + k0, format);
         int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + KC >= K;
         const float *b = bias && last ? bias + n0 : 0, *sc = scales && last ? scales + n0 : 0;
-        if (widened && m1 - m0 > MR) {
+        if (widened && m1 - m0 > MRF) {
             unpack(panel, kc, unpacked, format);
             panel_rows_f32(m0, m1, x + k0, ldx, unpacked, kc, y + n0, ldy, cols, b, first);
         } else if (format == F32_PANELS) {
@@ -664,7 +682,7 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
     }
 }
 
-/* Panels p and p + 1, both whole, for rows m0..m1 (more than MR): panel_product's compute-bound case with both
+/* Panels p and p + 1, both whole, for rows m0..m1 (more than MRF): panel_product's compute-bound case with both
  * slices in fp32 (unpacked into this thread's buffer where compact) and every FMA 16 lanes wide
  * (micro_kernel_f32w2). */
 static inline __attribute__((always_inline)) void panel_pair_product(int p, int m0, int m1, const float *x,
@@ -733,9 +751,9 @@ int hp_set_f32_body(int body) {
 }
 
 /* Pairs of whole panels a product's loop takes as one task each (panel_pair_product): all of them where its rows
- * are compute-bound (more than MR) and the body is pairs, else none. The int8 panels keep their own kernel. */
+ * are compute-bound (more than MRF) and the body is pairs, else none. The int8 panels keep their own kernel. */
 static inline int panel_pairs(int M, int N, int format) {
-    return f32_body == HP_F32_PAIRS && M > MR && format != I8_PANELS ? N / NR / 2 : 0;
+    return f32_body == HP_F32_PAIRS && M > MRF && format != I8_PANELS ? N / NR / 2 : 0;
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
