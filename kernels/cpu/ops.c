@@ -167,10 +167,11 @@ static float exp_sub_sum(float *x, int n, float sub) {
 #define NR (8 * NV)
 /* Rows the register micro-kernel (micro_kernel: block, int8 and BF16 panels widened in registers, fp32 activations)
  * takes at once: MR, or 8 where AVX-512 gives 32 vector registers (24 accumulators). Each output is the same FMA
- * chain either way, so the bits do not change. Why: from MR + 1 rows on, a block panel was widened into an fp32
- * slice first, a fixed ~8.7 ms a step of the default model's products; in registers, 5 rows took 9.4 ms of products
- * a step against 16.9, 8 rows 16.0 against 20.4 (Q4 panels; Q8 10.2 / 20.6 and 15.7 / 25.0; AMD EPYC Zen 4, python -m
- * loadtest.lab.kernel_ab HEAD "HEAD -DMR=8" --format q4,q8 --rows 1,4,5,8). */
+ * chain either way, so the bits do not change. Why: past these rows a block panel is widened into an fp32 slice
+ * first, a fixed ~8.7 ms a step of the default model's products. With 8 rows in registers a step's Q4 products took
+ * 10.0 ms at 5 rows against 16.9, 12.3 at 7 against 19.5, 14.6 at 8 against 21.0, and the default server gave 12%
+ * more tokens at 8 clients (AMD EPYC Zen 4, python -m loadtest.lab.kernel_ab HEAD~1 HEAD --format q4,q8; not yet
+ * measured on a Xeon: -DMRF=4 builds the old split, docs/benchmarks.md). */
 #ifndef MRF
 #if defined(__AVX512F__) && defined(__AVX512VL__) && NV == 3
 #define MRF 8
