@@ -547,6 +547,23 @@ def test_a_family_the_user_chose_is_not_timed():
         assert plan.choice == (family,) * len(plan.buckets) and plan.gflops == {}
 
 
+@pytest.mark.parametrize(("tiles_ms", "chosen"), [((0.9, 0.5, 0.5), 4), ((1.2, 0.9, 0.5), 16), ((0.9, 1.1, 0.5), 64),
+                                                  ((1.2, 1.1, 1.1), 0)])
+def test_the_tiles_take_the_int8_products_from_the_rows_they_were_faster_at(monkeypatch, tiles_ms, chosen):
+    """Start-up times the AMX tiles against the dot product at 4, 16 and 64 rows (``Q8X_TILE_ROWS``; the dot at 1.0
+    ms each here) and the tiles take the products from the fewest rows at which, and at every larger one, they were
+    faster: a win at 4 rows alone, with a loss at 16, does not count. Never where they never won."""
+    from engine.backends import cpu as cpu_backend
+
+    timings = iter(tiles_ms)
+    set_rows = []
+    monkeypatch.setattr(cpu_backend.cpu_kernels, "q8x_tiles_available", lambda: True)
+    monkeypatch.setattr(cpu_backend.cpu_kernels, "set_q8x_tile_rows", set_rows.append)
+    monkeypatch.setattr(cpu_backend, "best_in_turns", lambda fns, turns: {"dot": 1e-3, "tiles": next(timings) * 1e-3})
+    assert cpu_backend._tile_rows(lambda x, bias: None, 64) == chosen
+    assert set_rows[-1] == chosen and set_rows[0] == 0  # the dot alone while timing begins
+
+
 def test_timed_bodies_take_turns_and_each_keeps_its_best(monkeypatch):
     """A clock that only the bodies move: "tiles" is slow through its first calls (the machine busy a moment while
     it alone was timed), "fmas" steady. Timed in turns, tiles' later turns show its real time; each call of a turn

@@ -165,13 +165,15 @@ def test_int8_activation_products_of_a_row_do_not_depend_on_its_batch(gguf_tenso
     assert torch.equal(whole[3:], cpu.linear(x[3:], packed, 40, int8_activations=True))  # groups begin elsewhere
 
 
-@pytest.mark.skipif(len(cpu.q8x_dots()) < 2, reason="needs both VNNI and AVX2 dot products")
+@pytest.mark.skipif(len(cpu.q8x_dots()) + cpu.q8x_tiles_available() < 2,
+                    reason="needs two integer dot products (VNNI, AVX2's maddubs, AMX tiles)")
 @pytest.mark.parametrize("kind", [*F16_AT, "Q4_K+Q6_K"], ids=lambda k: getattr(k, "name", k))
-def test_both_integer_dot_products_give_the_same_bits(gguf_tensors, kind):
-    """VNNI's u8 x s8 (byte weights offset by 128, taken back off) and AVX2's maddubs (signed, with |w| x sign)
-    sum the same integers exactly and fix them up alike, so either may serve: the backend keeps the faster (timed at
-    start). The weight is 1024 inputs wide (two k blocks of the panels), and the batches take every body and reach
-    past a row block (128 rows)."""
+def test_every_integer_dot_product_gives_the_same_bits(gguf_tensors, kind):
+    """VNNI's u8 x s8 (byte weights offset by 128, taken back off), AVX2's maddubs (signed, with |w| x sign) and,
+    where the CPU has them, AMX tiles (16 rows a tile op, signed bytes as they are) sum the same integers exactly and
+    fix them up alike, so any may serve: the backend keeps the fastest (timed at start), the tiles from the rows on
+    at which they measured faster. The weight is 1024 inputs wide (two k blocks of the panels), and the batches take
+    every body, a partial group of 16 rows on the tiles, and reach past a row block (128 rows)."""
     weight = int8_test_weight(gguf_tensors, kind)
     cat = lambda t: None if t is None else torch.cat([t, t.flip(0)], dim=1)  # noqa: E731
     weight = QuantizedWeight(weight.kind, cat(weight.q), cat(weight.d), cat(weight.m), weight.ggml_type,
@@ -180,15 +182,20 @@ def test_both_integer_dot_products_give_the_same_bits(gguf_tensors, kind):
     torch.manual_seed(0)
     x = torch.randn(150, 1024) * torch.rand(150, 1) * 10
     x[0, :32] = 0  # a block of zero activations
+    bodies = [(dot, 0) for dot in cpu.q8x_dots()] + ([(cpu.q8x_dots()[0], 1)] if cpu.q8x_tiles_available() else [])
     results = {}
     try:
-        for dot in cpu.q8x_dots():
+        for dot, tile_rows in bodies:
             cpu.set_q8x_dot(dot)
-            results[dot] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True)
-                            for rows in (1, 3, 9, 21, 150)]
+            cpu.set_q8x_tile_rows(tile_rows)
+            results[dot, tile_rows] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True)
+                                       for rows in (1, 3, 9, 16, 21, 150)]
     finally:
         cpu.set_q8x_dot(cpu.q8x_dots()[0])
-    assert all(torch.equal(a, b) for a, b in zip(results["vnni"], results["maddubs"], strict=True))
+        cpu.set_q8x_tile_rows(0)
+    first, *others = results.values()
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     with pytest.raises(ValueError, match="no 'amx'"):
         cpu.set_q8x_dot("amx")
 

@@ -156,6 +156,7 @@ class CpuBackend(TorchBackend):
         self.plan: GemmPlan | None = None
         self.int8_activations = False
         self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
+        self.int8_tile_rows = 0  # from how many rows on AMX tiles take them instead (timed; 0: never)
         self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
         self.f32_body: str | None = None  # the body of the fp32 products from 5 rows on where there is a choice (timed)
         # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
@@ -232,8 +233,7 @@ class CpuBackend(TorchBackend):
                 module.ops = cpu_kernels
         gate_up = first.mlp.gate_up_proj
         if self.int8_activations:
-            self._body_timing = "int8_dot", partial(_fastest_dot, cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot,
-                                                    gate_up.kernel, gate_up.in_features)
+            self._body_timing = "int8_dot", partial(self._time_int8, gate_up.kernel, gate_up.in_features)
         elif not bf16 and not library and len(cpu_kernels.f32_bodies()) > 1 and gate_up not in kernels:
             # NOTE: not where the projections run on the tiles (split panels), which no fp32 body computes: timing
             # them there measured nothing, and took 2 s of each start of an 8B model, twice
@@ -367,6 +367,13 @@ class CpuBackend(TorchBackend):
             name, timing = self._body_timing
             setattr(self, name, timing())
 
+    def _time_int8(self, kernel: PackedLinear, in_features: int) -> str:
+        """The int8-activation products' dot product (the fastest at 1 + 16 rows), and from how many rows on the
+        AMX tiles take them (``_tile_rows``); the same bits whichever runs."""
+        dot = _fastest_dot(cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot, kernel, in_features)
+        self.int8_tile_rows = _tile_rows(kernel, in_features)
+        return dot
+
     def _pack_dense(self, name: str, weight: torch.Tensor,
                     pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
         """``pack(weight)``, module ``name``'s panels: mapped from the panel cache where it holds them."""
@@ -400,7 +407,9 @@ class CpuBackend(TorchBackend):
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
         products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
         products += f" ({self.f32_body} fp32)" if self.f32_body and products == "C" else ""
-        int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products)" if self.int8_activations else ""
+        tiles = f", AMX tiles from {self.int8_tile_rows} rows" if self.int8_tile_rows else ""
+        int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products{tiles})" \
+            if self.int8_activations else ""
         blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
         blocks += f", GGUF blocks on {'AMX tiles in fp32' if self.split_body == 'tiles' else 'FMAs'}" \
             if self.split_body else ""
@@ -436,6 +445,34 @@ def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLi
         dots = sorted(dots, key=seconds.get)
     use(dots[0])
     return dots[0]
+
+
+Q8X_TILE_ROWS = (4, 16, 64)  # the row counts from which the AMX tiles may take the int8 products
+
+
+def _tile_rows(kernel: PackedLinear, in_features: int) -> int:
+    """The fewest of ``Q8X_TILE_ROWS`` from which, at that row count and every larger one, the AMX tiles computed
+    ``kernel``'s int8 products faster than the dot product in use; 0 (never) where they did not, or where the CPU
+    has no tiles. Set for every int8 product of the process. Measured rather than assumed: a tile op sums 16 rows
+    at the cost of one, so a few rows leave most of it empty, and where that stops paying depends on the machine."""
+    cpu_kernels.set_q8x_tile_rows(0)
+    if not cpu_kernels.q8x_tiles_available():
+        return 0
+    faster = []
+    for rows in Q8X_TILE_ROWS:
+        x = torch.randn(rows, in_features)
+
+        def run(tile_rows: int, x: torch.Tensor = x) -> None:
+            cpu_kernels.set_q8x_tile_rows(tile_rows)
+            kernel(x, None)
+
+        seconds = best_in_turns({"dot": partial(run, 0), "tiles": partial(run, 1)}, turns=TIMING_TURNS - 1)
+        logger.info("int8 products at %d rows, ms: dot product %.2f, AMX tiles %.2f", rows, seconds["dot"] * 1e3,
+                    seconds["tiles"] * 1e3)
+        faster.append(seconds["tiles"] < seconds["dot"])
+    chosen = next((rows for i, rows in enumerate(Q8X_TILE_ROWS) if all(faster[i:])), 0)
+    cpu_kernels.set_q8x_tile_rows(chosen)
+    return chosen
 
 
 def _int8_screen(head: torch.Tensor, vocab: int) -> Int8ScreenedHead | None:

@@ -76,6 +76,8 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_q8x_available": [],
     "hp_q8x_dots": [],
     "hp_set_q8x_dot": [_c_int],
+    "hp_q8x_tiles_available": [],
+    "hp_set_q8x_tile_rows": [_c_int],
     "hp_shm_sum": [_ptr, _c_int, _c_int, _c_i64, _ptr, _c_i64, _c_i64, ctypes.c_double],
     "hp_shm_sum_bytes": [_c_int, _c_i64],
     "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
@@ -103,6 +105,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_set_f32_body": [_c_int],
 }
 _RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int,
+            "hp_q8x_tiles_available": _c_int, "hp_set_q8x_tile_rows": _c_int,
             "hp_embed_rows": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
             "hp_set_f32_body": _c_int,
@@ -593,6 +596,19 @@ def set_q8x_dot(name: str) -> None:
     """Which of ``q8x_dots()`` the int8-activation products use from now on (the backend times them at start)."""
     if _library().hp_set_q8x_dot(Q8X_DOTS.get(name, 0)):
         raise ValueError(f"this build has no {name!r} dot product (it has {q8x_dots()})")
+
+
+def q8x_tiles_available() -> bool:
+    """Whether AMX tiles can take the int8-activation products (this build and CPU have AMX-INT8, and the kernel
+    lets the process use the tiles): the same bits as the dot products, 16 rows a tile op."""
+    return bool(_library().hp_q8x_tiles_available())
+
+
+def set_q8x_tile_rows(rows: int) -> None:
+    """From how many rows on AMX tiles take the int8-activation products from now on (0: never; the backend
+    times them at start)."""
+    if _library().hp_set_q8x_tile_rows(rows):
+        raise ValueError(f"no AMX tiles for the int8 products here (rows={rows})")
 
 
 def _fitting_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -61,8 +61,9 @@ struct tile_config {
 
 /* Tiles: 0-3 accumulators (row groups 0 and 1 x column tiles 0 and 1), 4-5 activations (row groups 0 and 1),
  * 6-7 weights (column tiles 0 and 1). Column tile 0 is a panel's first 16 columns, tile 1 the other nr - 16. A tile
- * op sums `step` inputs (TILE_K; 16 for Q6S's scales per 16 inputs). */
-static void load_config(int rows, int nr, int step) {
+ * op sums `step` inputs (TILE_K; 16 for Q6S's scales per 16 inputs), 2 step bytes a row: the int8 products of ops.c
+ * (bytes, four a 32-bit word) pass half the inputs they sum. */
+void hp_amx_load_config(int rows, int nr, int step) {
     struct tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -334,7 +335,7 @@ static uint16_t *rows_buffer(int M, int K) { return thread_buffer((int64_t)((M +
 static void start_tiles(const float *x, int64_t ldx, uint16_t *a, int M, int K, int nr) {
 #pragma omp for schedule(static)
     for (int g = 0; g < (M + 15) / 16; g++) round_rows(x, ldx, a, g * 16, g * 16 + 16, M, K);
-    load_config(M < 16 ? M : 16, nr, TILE_K);
+    hp_amx_load_config(M < 16 ? M : 16, nr, TILE_K);
 }
 
 int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
@@ -821,7 +822,7 @@ int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *pac
     {
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) split_rows(x, ldx, a, part, sums, group, g * 16, g * 16 + 16, M, K);
-        load_config(M < 16 ? M : 16, HP_BF16A_WIDTH, split_group(format)); /* accumulator sets take turns */
+        hp_amx_load_config(M < 16 ? M : 16, HP_BF16A_WIDTH, split_group(format)); /* accumulator sets take turns */
         /* NOTE: guided, as the other products */
 #pragma omp for schedule(guided)
         for (int p = 0; p < panels; p++) {

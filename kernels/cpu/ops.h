@@ -31,6 +31,9 @@ enum hp_weight_format {
  * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
 enum hp_bf16_dot { HP_BF16_FMA = 0, HP_BF16_DPBF16 = 1, HP_BF16_AMX = 2 };
 int hp_amx_bf16_available(void);
+/* The tile configuration of amx.c's products (tiles 0-3 accumulators of `rows` rows, 16 and nr - 16 columns wide;
+ * 4-5 activations, 6-7 weights, a tile op summing `step` pairs of bytes); only where the build has AMX. */
+void hp_amx_load_config(int rows, int nr, int step);
 /* Bytes of one tile (16 columns x 32 inputs) of the widened panels, which hold a GGUF file's blocks for AMX (amx.c;
  * gguf_pack.c packs them): Q4A d and m of its 16 columns (fp32), then 16 rows of 16 bytes of nibbles; Q6A d of
  * inputs 0-15 and of 16-31, the low nibbles, then 8 x 16 bytes of high bits; Q8A d, then 16 rows of 32 bytes. */
