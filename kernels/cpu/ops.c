@@ -1357,11 +1357,11 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
 /* Q8X products on AMX tiles: per 32 k (16 for Q6K and Q6M, whose scales are per 16) of a panel, one tile op sums
  * 16 rows' int8 activations times the panel's 24 columns of weights as integers (TDPBSUD for nibbles, which are
  * unsigned, Q6K's q + 32 among them; TDPBSSD for signed bytes, with no offset to take back off), and the vector
- * units fold each sum into the float sums with q8x_fix_up. An integer sum is exact in any order, and each float sum
- * takes the same fix-ups in the same order, the same KC slices, as Q8X_SUMS gives it, so a row's outputs are those
- * of the VNNI body to the bit, whichever rows share its batch. Why: vpdpbusd sums 32 products an instruction, a
- * tile op 8192. Tiles as amx.c configures them: 0 and 1 a row group's sums (columns 0-15, 16-23), 4 its
- * activations, 6 and 7 the weights. */
+ * units fold each sum into the float sums with q8x_fix_up's operations (q8x_fix_up_row). An integer sum is exact in
+ * any order, and each float sum takes the same fix-ups in the same order, the same KC slices, as Q8X_SUMS gives it,
+ * so a row's outputs are those of the VNNI body to the bit, whichever rows share its batch. Why: vpdpbusd sums 32
+ * products an instruction, a tile op 8192. Tiles as amx.c configures them: 0-1 and 2-3 a row group's sums (columns
+ * 0-15, 16-23) for alternate blocks, 4 and 5 its activations, 6 and 7 the weights. */
 #define Q8X_TILE_ROW (NR * 4)                   /* bytes of a row of weights as the tiles take them: k / 4 */
 #define Q8X_TILE_BLOCK (Q8_GROUP / 4 * Q8X_TILE_ROW) /* a 32-k block of them */
 
