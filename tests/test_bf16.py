@@ -550,16 +550,17 @@ def test_a_family_the_user_chose_is_not_timed():
 @pytest.mark.parametrize(("tiles_ms", "chosen"), [((0.9, 0.5, 0.5), 4), ((1.2, 0.9, 0.5), 16), ((0.9, 1.1, 0.5), 64),
                                                   ((1.2, 1.1, 1.1), 0)])
 def test_the_tiles_take_the_int8_products_from_the_rows_they_were_faster_at(monkeypatch, tiles_ms, chosen):
-    """Start-up times the AMX tiles against the dot product at 4, 16 and 64 rows (``Q8X_TILE_ROWS``; the dot at 1.0
-    ms each here) and the tiles take the products from the fewest rows at which, and at every larger one, they were
-    faster: a win at 4 rows alone, with a loss at 16, does not count. Never where they never won."""
+    """Start-up times the AMX tiles against the dot product at 64, 16 and 4 rows (``Q8X_TILE_ROWS``, the most rows
+    first, stopping at the first loss; the dot at 1.0 ms each here) and the tiles take the products from the fewest
+    rows at which, and at every larger one, they were faster: a win at 4 rows alone, with a loss at 16, does not
+    count. Never where they never won."""
     from engine.backends import cpu as cpu_backend
 
-    timings = iter(tiles_ms)
+    timings = list(tiles_ms)  # timed from the most rows down
     set_rows = []
     monkeypatch.setattr(cpu_backend.cpu_kernels, "q8x_tiles_available", lambda: True)
     monkeypatch.setattr(cpu_backend.cpu_kernels, "set_q8x_tile_rows", set_rows.append)
-    monkeypatch.setattr(cpu_backend, "best_in_turns", lambda fns, turns: {"dot": 1e-3, "tiles": next(timings) * 1e-3})
+    monkeypatch.setattr(cpu_backend, "best_in_turns", lambda fns, turns: {"dot": 1e-3, "tiles": timings.pop() * 1e-3})
     assert cpu_backend._tile_rows(lambda x, bias: None, 64) == chosen
     assert set_rows[-1] == chosen and set_rows[0] == 0  # the dot alone while timing begins
 

@@ -458,8 +458,8 @@ def _tile_rows(kernel: PackedLinear, in_features: int) -> int:
     cpu_kernels.set_q8x_tile_rows(0)
     if not cpu_kernels.q8x_tiles_available():
         return 0
-    faster = []
-    for rows in Q8X_TILE_ROWS:
+    chosen = 0
+    for rows in reversed(Q8X_TILE_ROWS):  # the most rows first: below the first loss nothing more is timed
         x = torch.randn(rows, in_features)
 
         def run(tile_rows: int, x: torch.Tensor = x) -> None:
@@ -469,8 +469,9 @@ def _tile_rows(kernel: PackedLinear, in_features: int) -> int:
         seconds = best_in_turns({"dot": partial(run, 0), "tiles": partial(run, 1)}, turns=TIMING_TURNS - 1)
         logger.info("int8 products at %d rows, ms: dot product %.2f, AMX tiles %.2f", rows, seconds["dot"] * 1e3,
                     seconds["tiles"] * 1e3)
-        faster.append(seconds["tiles"] < seconds["dot"])
-    chosen = next((rows for i, rows in enumerate(Q8X_TILE_ROWS) if all(faster[i:])), 0)
+        if seconds["tiles"] >= seconds["dot"]:
+            break
+        chosen = rows
     cpu_kernels.set_q8x_tile_rows(chosen)
     return chosen
 

@@ -1184,13 +1184,16 @@ static inline __attribute__((always_inline)) void q8x_weights(const v8iu *words,
     }
 }
 
+/* Whether a block format's weight scales are per 16 k (Q6K, Q6M), so its integer sums are folded per half block. */
+static inline int q8x_halves(int format) { return format == Q6K_PANELS || format == Q6M_PANELS; }
+
 /* One row's integer sums of a run of k with one weight scale (half h of block b), folded into its float sums c:
  *     c += d_w (d_x (Σ u qx - offset Σ qx)) (+ m_w d_x Σ qx)
  * Every body does exactly this, so a row's outputs do not depend on the body its batch took. */
 static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8i acc[NV], const struct q8x_row *a,
                                                              int b, int h, const v8f d[NV], const v8f m[NV],
                                                              float offset, int format) {
-    const int halves = format == Q6K_PANELS || format == Q6M_PANELS;
+    const int halves = q8x_halves(format);
     const int32_t *sums = a->sums + 2 * b;
     const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
     const v8f dx = splat8(a->d[b]), dsum = splat8(a->d[b] * sum);
@@ -1212,7 +1215,7 @@ static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8
     do {                                                                                                              \
         const int unsigned_bytes_ = !block_nibbles(format) && (dot) == Q8X_VNNI;                                      \
         const v8i offset_bits_ = splat8i(unsigned_bytes_ ? (int)0x80808080 : 0);                                      \
-        const int halves_ = (format) == Q6K_PANELS || (format) == Q6M_PANELS;                                         \
+        const int halves_ = q8x_halves(format);                                                                       \
         /* maddubs on nibbles: a 32-k block's 8 words summed in 16 bits (8 x 2 x 15 x 127 = 30480), widened once */   \
         const int sums16_ = (dot) == Q8X_MADDUBS && ((format) == Q4_PANELS || (format) == Q4K_PANELS);                \
         /* Q6K's q + 32, Q5's and Q5K's q (0..31): unsigned bytes, their pairs widened each word */                  \
@@ -1364,8 +1367,6 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
  * 0-15, 16-23) for alternate blocks, 4 and 5 its activations, 6 and 7 the weights. */
 #define Q8X_TILE_ROW (NR * 4)                   /* bytes of a row of weights as the tiles take them: k / 4 */
 #define Q8X_TILE_BLOCK (Q8_GROUP / 4 * Q8X_TILE_ROW) /* a 32-k block of them */
-
-static inline int q8x_halves(int format) { return format == Q6K_PANELS || format == Q6M_PANELS; }
 
 /* A block's scales (block_at's d and m of both halves, for the NV vectors of columns: 24 floats in a row). */
 struct q8x_scales {
