@@ -19,6 +19,8 @@ from DRAM too.
         --rows 1,4,16 --seqs 1 --context 1                                                   # a GGUF file's K-quants
     python -m loadtest.lab.kernel_ab WORKTREE --shape llama-3.2-1b --format q4_k --int8-activations --rows 1 \
         --seqs 1 --context 1 --resident --threads 1     # compute-bound or memory-bound: from the caches and from DRAM
+    python -m loadtest.lab.kernel_ab HEAD WORKTREE --shape llama-3.2-1b --format q4_ks,q6_ks --rows 1,16,64 \
+        --seqs 1 --context 1                               # a Q4_K_M file's exact products on AMX tiles
 
 A variant is a git revision (or ``WORKTREE``, the files on disk) and optional compiler flags after a space. With
 ``--format`` other than fp32 the weights are random values on that format's grid, packed once by the working tree's
@@ -30,8 +32,9 @@ time the attention with (each variant with each; revisions before bfloat16 pools
 int8 pools cannot read them: time int8 with revisions that have it). The formats named for GGUF block types
 (``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``) are random blocks of realistic scales (``loadtest.models``), the same for
 every variant, each packed by that variant's own ``gguf_pack.c`` into the panels the engine packs a file's blocks
-into, so revisions that lay those panels out differently compare too; K-quants need ``--shape llama-3.2-1b``
-(SmolLM2's 576 inputs are no whole super-block).
+into, so revisions that lay those panels out differently compare too; ``q4_ks`` and ``q6_ks`` are Q4_K and Q6_K
+blocks in the Q4KS and Q6KS panels a Q4_K_M file's products take in fp32 on AMX tiles (each variant's
+``hp_pack_gguf_ksplit``). K-quants need ``--shape llama-3.2-1b`` (SmolLM2's 576 inputs are no whole super-block).
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ from kernels.cpu import (
     _HEADERS,
     _SOURCES,
     BF16_DOTS,
+    GGUF_KSPLIT_DTYPES,
     HP_Q8X,
+    KSPLIT_SUPER_BYTES,
     KV_FORMATS,
     WEIGHT_FORMATS,
     _build,
@@ -123,7 +128,9 @@ SHAPES = {"smollm2-135m": Shapes(),
                                  layers=16)}
 BLOCK_TYPES = {"q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
                "q6_k": GGMLQuantizationType.Q6_K, "q8_0": GGMLQuantizationType.Q8_0}
-FORMATS = ("fp32", "amx", "q4a", "q4s", *sorted(GRIDS), *BLOCK_TYPES)
+KSPLIT_TYPES = {"q4_ks": GGMLQuantizationType.Q4_K, "q6_ks": GGMLQuantizationType.Q6_K}  # fp32 on AMX tiles
+TILE_FORMATS = {"amx", "q4a", "q4s", *KSPLIT_TYPES}
+FORMATS = ("fp32", "amx", "q4a", "q4s", *sorted(GRIDS), *BLOCK_TYPES, *KSPLIT_TYPES)
 
 
 def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
@@ -156,14 +163,22 @@ def step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
 def block_step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Generator,
                        dlls: list[ctypes.CDLL]) -> list[list[tuple[torch.Tensor, int, int]]]:
     """Per variant, a step's weights as random GGUF blocks of ``fmt`` (the same blocks for all), each packed by that
-    variant's own ``hp_pack_gguf`` into the panels the engine packs a file's blocks into."""
-    kind = BLOCK_TYPES[fmt]
+    variant's own ``hp_pack_gguf`` into the panels the engine packs a file's blocks into (``hp_pack_gguf_ksplit``'s
+    Q4KS or Q6KS panels for ``q4_ks`` and ``q6_ks``)."""
+    kind = KSPLIT_TYPES.get(fmt) or BLOCK_TYPES[fmt]
     out: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in dlls]
     for n, k in shapes:
         seed = int(torch.randint(2**31, (1,), generator=gen))
         blocks = torch.from_numpy(random_blocks(np.random.default_rng(seed), n, k, kind))
         rows = blocks.data_ptr() + blocks.stride(0) * torch.arange(n, dtype=torch.int64)
         for dll, weights in zip(dlls, out, strict=True):
+            if fmt in KSPLIT_TYPES:
+                dtype = GGUF_KSPLIT_DTYPES[int(kind)]
+                buffer = torch.empty(cdiv(n, 32) * k // 256 * KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
+                if dll.hp_pack_gguf_ksplit(int(kind), rows.data_ptr(), n, k, buffer.data_ptr()) != buffer.numel():
+                    raise ValueError(f"{fmt}: a variant's gguf_pack.c does not pack {kind.name} into K-quant panels")
+                weights.append((buffer.view(dtype), n, k))
+                continue
             width = dll.hp_panel_width()
             buffer = torch.empty(cdiv(n, width) * width * k * 3 // 2, dtype=torch.uint8)  # panels: <= 1.125 B a weight
             written = dll.hp_pack_gguf(int(kind), rows.data_ptr(), n, k, width, buffer.data_ptr())
@@ -286,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--format: unknown {', '.join(sorted(set(formats) - set(FORMATS)))}; known: {', '.join(FORMATS)}")
     s = SHAPES[args.shape]
     super_block = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][0]
-    k_quants = [f for f in formats if f.endswith("_k")]
+    k_quants = [f for f in formats if f.endswith(("_k", "_ks"))]
     if k_quants and any(k % super_block for _, k in s.linears()):
         p.error(f"--format {', '.join(k_quants)}: {args.shape}'s inputs are no whole super-blocks; take --shape "
                 "llama-3.2-1b")
@@ -303,12 +318,12 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
-        if {"amx", "q4a", "q4s"} & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
-            p.error("--format amx, q4a, q4s: this CPU (or a variant) has no AMX tiles")
+        if TILE_FORMATS & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
+            p.error(f"--format {', '.join(sorted(TILE_FORMATS))}: this CPU (or a variant) has no AMX tiles")
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         # per format, per variant: every layer its own weights, so a step streams them from DRAM, as a real one does
         packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32"
-                 else block_step_weights(f, shapes, gen, dlls) if f in BLOCK_TYPES
+                 else block_step_weights(f, shapes, gen, dlls) if f in BLOCK_TYPES or f in KSPLIT_TYPES
                  else [step_weights(f, shapes, gen)] * len(dlls) for f in formats}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, max(k for _, k in s.linears()), generator=gen)
