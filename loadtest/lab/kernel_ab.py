@@ -60,6 +60,7 @@ from kernels.cpu import (
     _HEADERS,
     _SOURCES,
     BF16_DOTS,
+    BF16A_WIDTH,
     GGUF_KSPLIT_DTYPES,
     HP_Q8X,
     KSPLIT_SUPER_BYTES,
@@ -73,7 +74,7 @@ from kernels.cpu import (
     pack_weight_compact,
     pack_weight_q4a,
 )
-from kernels.cpu.blocks import GGUF_PANEL_DTYPES
+from kernels.cpu.blocks import GGUF_PANEL_DTYPES, SUPER
 from loadtest.lab.compact_gemm import GRIDS
 from loadtest.models import random_blocks
 
@@ -174,7 +175,7 @@ def block_step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Gener
         for dll, weights in zip(dlls, out, strict=True):
             if fmt in KSPLIT_TYPES:
                 dtype = GGUF_KSPLIT_DTYPES[int(kind)]
-                buffer = torch.empty(cdiv(n, 32) * k // 256 * KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
+                buffer = torch.empty(cdiv(n, BF16A_WIDTH) * k // SUPER * KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
                 if dll.hp_pack_gguf_ksplit(int(kind), rows.data_ptr(), n, k, buffer.data_ptr()) != buffer.numel():
                     raise ValueError(f"{fmt}: a variant's gguf_pack.c does not pack {kind.name} into K-quant panels")
                 weights.append((buffer.view(dtype), n, k))
