@@ -398,7 +398,7 @@ def test_q4a_panels_give_the_bits_of_bf16a_panels_of_the_dequantized_weight(n, k
 
 def _assert_the_bits_of_bf16a(widened: torch.Tensor, name: str, weight: torch.Tensor, gen: torch.Generator) -> None:
     """``widened`` (panels of format ``name``) multiplies with the bits of the BF16A panels of ``weight`` at every
-    batch size, and is not read by lookups."""
+    batch size, and lookups read the fp32 values the tiles round (those of ``weight``)."""
     n, k = weight.shape
     dense = cpu.pack_weight_bf16a(weight)
     assert cpu.FORMAT_NAMES[widened.dtype] == name and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
@@ -407,8 +407,8 @@ def _assert_the_bits_of_bf16a(widened: torch.Tensor, name: str, weight: torch.Te
         for rows in (1, 3, 16, 33, 64, 100):
             x = torch.randn(rows, k, generator=gen)
             assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
-    with pytest.raises(ValueError, match="lookups"):
-        cpu.embed_rows(widened, torch.tensor([0]), n)
+    ids = torch.tensor([0, n // 2, n - 1, 1])
+    assert torch.equal(cpu.embed_rows(widened, ids, n), weight[ids])
 
 
 @pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
@@ -451,10 +451,11 @@ def test_widened_panels_are_refused_without_amx():
         cpu.pack_weight_q8a(torch.zeros(32, 2, 32, dtype=torch.int8), torch.ones(32, 2))
 
 
-def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> dict[bool, tuple[int, list]]:
+def _widened_and_bf16a_tokens(model: str | None, prompts: list,
+                              **options) -> dict[bool, tuple[int, list, torch.Tensor]]:
     """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its GGUF blocks as Q4A/Q6A/Q8A panels (True) and as
     BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
-    with the number of weights from widened panels."""
+    with the number of weights from widened panels, and the lookups of a few token ids."""
     from engine.backends import cpu as cpu_backend
     from engine.backends import widened as widened_panels
 
@@ -470,7 +471,9 @@ def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> di
             llm = LLM(model, **quick(dtype="bfloat16", gemm_kernels="c", **options))
         backend = llm.engine.backend
         assert backend.bf16_dot == "amx", backend.describe()
-        out[widened] = backend.widened_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        ids = torch.tensor([0, 1, 17, 4099, llm.engine.model.config.vocab_size - 1])
+        out[widened] = (backend.widened_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+                        llm.engine.model.embed_tokens(ids))
         del llm
     return out
 
@@ -478,10 +481,13 @@ def _widened_and_bf16a_tokens(model: str | None, prompts: list, **options) -> di
 @pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
 def test_the_default_gguf_gives_the_same_tokens_from_q4a_and_from_bf16a_panels(prompt_ids):
     """The shipped SmolLM2 GGUF's Q4_1 projections in bfloat16 on AMX: kept as Q4A panels where start-up times
-    them faster, else dequantized into BF16A panels. The same bits, so the same greedy tokens either way."""
+    them faster, else dequantized into BF16A panels; its tied Q8_0 LM head likewise Q8A or BF16A, and the lookups
+    read whichever it is, rounded to bfloat16 where widened. The same bits, so the same greedy tokens either way."""
     out = _widened_and_bf16a_tokens(None, prompt_ids)
-    assert out[True][0] == 4 * 30 and out[False][0] == 0
+    assert out[True][0] == 4 * 30 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]
+    assert torch.equal(out[True][2], out[False][2])
+    assert torch.equal(out[True][2], out[True][2].bfloat16().float())
 
 
 @pytest.mark.skipif("amx" not in BODIES, reason="the CPU has no AMX tiles")
@@ -493,6 +499,7 @@ def test_a_q4_k_m_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(
                                     max_model_len=256)
     assert out[True][0] == 4 * 8 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]
+    assert torch.equal(out[True][2], out[False][2])
 
 
 def test_a_gguf_embedding_of_its_own_stays_blocks_in_bfloat16(small_q4_k_m):
@@ -521,6 +528,7 @@ def test_a_q8_0_file_gives_the_same_tokens_from_widened_and_from_bf16a_panels(tm
     out = _widened_and_bf16a_tokens(str(path), ["Hello there", "Once upon a time, in a land"], max_model_len=256)
     assert out[True][0] == 4 * 2 + 1 and out[False][0] == 0
     assert out[True][1] == out[False][1]
+    assert torch.equal(out[True][2], out[False][2])
 
 
 def test_a_dtype_onednn_cannot_pack_leaves_it_out_of_the_plan(monkeypatch):

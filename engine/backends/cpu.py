@@ -186,8 +186,10 @@ class CpuBackend(TorchBackend):
         quantized = first.mlp.gate_up_proj.quantized is not None
         # a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights, kept as blocks for AMX to widen if that times faster
         blocks = widened.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
-        # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to bfloat16)
-        lookups = (model.embed_tokens,) if bf16 and not model.tie_word_embeddings else ()
+        # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to
+        # bfloat16); a tied one keeps them while the head's may be widened, whose panels the lookups then read
+        tied = model.tie_word_embeddings
+        lookups = (model.embed_tokens,) if bf16 and (not tied or model.lm_head in blocks) else ()
         if quantized and (bf16 or self.config.gemm_kernels == "onednn"):
             # the fallback: these products take dense weights
             dequantize_weights(model, self.dtype, self.device, keep=lookups)
@@ -218,6 +220,8 @@ class CpuBackend(TorchBackend):
         for module, source in blocks.items():
             if module not in kernels:  # dense after all, as the other projections
                 module.weight = torch.nn.Parameter(source.dequantize(self.dtype), requires_grad=False)
+                if module is model.lm_head and tied:  # one table for both, as dequantize_weights keeps it
+                    model.embed_tokens.weight, model.embed_tokens.quantized = module.weight, None
                 widened.release(source)
         self.widened_panels = len(kernels) if bf16 else 0
         for name, module in model.named_modules():
@@ -249,20 +253,19 @@ class CpuBackend(TorchBackend):
             model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
             model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
             return
-        head = None  # an LM head of its own widened from its GGUF blocks keeps that kernel
         if model.lm_head.quantized is not None:
             head = pack_blocks(model.lm_head.take_quantized())
-        elif self.split_body == "tiles" and model.lm_head in kernels:  # fp32 on the tiles: lookups read it too
+        elif model.lm_head in kernels:  # on the tiles, fp32 or widened: the lookups read these panels too
             head = kernels[model.lm_head].packed
-        elif model.lm_head not in kernels:
+        else:
             head = self._pack_dense("lm_head", model.lm_head.release_weight(), pack if bf16 else pack_head)
-        if head is not None:
-            model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
+        model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed, rounded_to = model.embed_tokens, None
-        if model.tie_word_embeddings:
-            lookup = head
+        if tied:
+            # widened panels give the fp32 values their tiles round: rounded as a bfloat16 table holds them
+            lookup, rounded_to = head, self.dtype if bf16 and head.dtype in cpu_kernels.WIDENED_TILE_BYTES else None
         elif embed.quantized is not None:  # a GGUF file's blocks, whose values a bfloat16 table would round
             lookup, rounded_to = pack_blocks(embed.quantized), self.dtype if bf16 else None
         else:
@@ -273,9 +276,9 @@ class CpuBackend(TorchBackend):
             embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab, rounded_to), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
-        if head is not None and head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
+        if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
-        elif (head is not None and head.dtype == torch.int8 and model.lm_head.bias is None
+        elif (head.dtype == torch.int8 and model.lm_head.bias is None
               and not self.int8_activations and cpu_kernels.q8x_available()):
             self.greedy_head = _int8_screen(head, vocab)
         kernel, probe = model.lm_head.kernel, torch.zeros(1, model.config.hidden_size)

@@ -52,11 +52,10 @@ def kind_of(blocks: Blocks | None) -> str | None:
 
 
 def take(model: LlamaForCausalLM) -> dict[Linear, Blocks]:
-    """The projections (and an LM head of its own) whose blocks widened panels can hold, taken out of their layers as
-    they are. Not a tied LM head: the lookups read its panels."""
-    tied = model.lm_head if model.tie_word_embeddings else None
-    return {m: m.take_quantized() for m in model.modules()
-            if isinstance(m, Linear) and m is not tied and kind_of(m.quantized)}
+    """The projections and the LM head whose blocks widened panels can hold, taken out of their layers as they are.
+    A tied LM head's embedding keeps its reference to the blocks: where the head is widened, the lookups read its
+    panels (``embed_rows``), else the embedding's own blocks are dequantized with the head's."""
+    return {m: m.take_quantized() for m in model.modules() if isinstance(m, Linear) and kind_of(m.quantized)}
 
 
 def panels(blocks: Blocks) -> Panels:

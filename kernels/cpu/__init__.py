@@ -655,12 +655,11 @@ def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
 
 def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``weight[ids]`` [len(ids), K] fp32, read from ``packed``, the panels of ``weight`` [num_rows, K] in any
-    format ``linear`` takes, so an embedding table tied to a packed LM head needs no row-major copy."""
+    format ``linear`` takes, so an embedding table tied to a packed LM head needs no row-major copy. Q4A, Q6A and
+    Q8A panels give the fp32 values their tiles round to bfloat16, as Q4S, Q6S and Q8S panels (the same bytes) do."""
     in_features, columns = packed_geometry(packed)
     if columns < num_rows:
         raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
-    if packed.dtype in WIDENED_TILE_BYTES and packed.dtype not in SPLIT_DTYPES.values():
-        raise ValueError(f"{FORMAT_NAMES[packed.dtype]} panels are read by AMX products only, not by lookups")
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
     bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,

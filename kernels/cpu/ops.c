@@ -1641,6 +1641,9 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
  * Returns the first t whose id is outside 0..N-1 (no row of out written from it on), or -1. */
 int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
     if (format == HP_BF16C) format = BF16_PANELS; /* the same bytes; a lookup is the weight's bfloat16 value */
+    /* Q4A, Q6A and Q8A panels are Q4S's, Q6S's and Q8S's bytes: a lookup is the fp32 value the tiles round to
+     * bfloat16 (a tied LM head widened on AMX; the caller rounds the rows as the products do) */
+    if (format == HP_Q4A || format == HP_Q6A || format == HP_Q8A) format += HP_Q4S - HP_Q4A;
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return t;
 #pragma omp parallel for schedule(static) if (T >= 64)
