@@ -18,6 +18,8 @@ from engine.backends import panel_cache, widened
 from engine.backends.panel_cache import PanelCache
 from engine.gguf_weights import iter_gguf_weights
 from engine.llm import LLM
+from engine.models.linear import Linear
+from engine.models.llama import LlamaForCausalLM
 from engine.models.quantized import FileBlocks
 from engine.sampling_params import SamplingParams
 from kernels import cpu
@@ -316,8 +318,15 @@ def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weigh
     options = dict(dtype=dtype, kv_cache_memory=4 << 20, max_num_batched_tokens=64, gemm_kernels="c")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
+    read, dense_weight = [], Linear.dense_weight  # the linear layers whose checkpoint tensors were read
+    monkeypatch.setattr(Linear, "dense_weight", lambda self: read.append(self) or dense_weight(self))
+
+    def names_read(model) -> set[str]:
+        return {name for name, module in model.named_modules() if any(module is r for r in read)}
+
     first = LLM(str(folder), **options)
     assert first.engine.backend.mapped_weight_bytes() == 0
+    assert {"lm_head", "layers.1.self_attn.qkv_proj", "layers.1.mlp.down_proj"} <= names_read(first.engine.model)
     cache = first.engine.backend.panel_cache
     cache.wait()
     in_arena = [t for t in cache._used.values() if cache._arena.offset_of(t) is not None]
@@ -328,7 +337,24 @@ def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weigh
     assert {"lm_head", "layers.1.mlp.down_proj", *(["embed_tokens"] if dtype == "bfloat16" else [])} <= panels.keys()
     del first
 
+    read.clear()
+    unread, load = [], LlamaForCausalLM.load_weights  # each linear layer's weight as the backend first gets it
+
+    def loaded(self, weights, lazy=False):
+        load(self, weights, lazy)
+        unread.extend((name, m.weight.is_meta, [mapped_file(t.data_ptr()) for t in m.parts or ()])
+                      for name, m in self.named_modules() if isinstance(m, Linear) and m is not self.lm_head)
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", loaded)
     second = LLM(str(folder), **options)
+    # every one still in the checkpoint's files (nothing copied), q/k/v and gate/up as their own tensors
+    assert unread and all(meta and files and all(f.startswith(str(folder)) for f in files)
+                          for _, meta, files in unread)
+    assert {len(files) for name, _, files in unread if name.endswith("qkv_proj")} == {3}
+    # only the first layer's, which start-up times the products with: the others' panels are mapped unread
+    assert names_read(second.engine.model) <= {f"layers.0.{m}" for m in
+                                               ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                "mlp.down_proj")}
     cache = second.engine.backend.panel_cache
     start = torch.frombuffer(cache._mapping, dtype=torch.uint8).data_ptr()
     mapped = _packed_weights(second.engine.model)

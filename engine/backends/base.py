@@ -46,6 +46,9 @@ class TorchBackend:
     """
 
     name = "torch"
+    # Whether ``prepare`` packs every linear layer's weight: then the checkpoint's dense weights reach it unread, as
+    # views of its files' mappings (``Linear.parts``), and those whose panels a cache holds are never read.
+    lazy_weights = False
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config

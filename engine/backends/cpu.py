@@ -147,6 +147,7 @@ class CpuBackend(TorchBackend):
     """Owns the packed model's C-side state: the one-call decoder and the screened greedy head."""
 
     name = "cpu"
+    lazy_weights = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -195,7 +196,7 @@ class CpuBackend(TorchBackend):
             dequantize_weights(model, self.dtype, self.device, keep=lookups)
             quantized = False
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.weight.detach() for m in projections}
+        dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.dense_weight() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
             weight = dense[first.mlp.gate_up_proj]
@@ -230,9 +231,8 @@ class CpuBackend(TorchBackend):
             elif isinstance(module, Linear) and module.quantized is not None and module is not model.lm_head:
                 module.kernel = _quantized_kernel(module.take_quantized(), self.int8_activations, pack_blocks)
             elif isinstance(module, Linear) and module is not model.lm_head:
-                weight = module.release_weight()
-                module.kernel = OneDnnLinear.pack(weight) if library else PackedLinear(
-                    self._pack_dense(name, weight, pack), module.out_features)
+                module.kernel = OneDnnLinear.pack(module.release_weight()) if library else PackedLinear(
+                    self._pack_linear(name, module, pack), module.out_features)
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
         gate_up = first.mlp.gate_up_proj
@@ -250,7 +250,7 @@ class CpuBackend(TorchBackend):
                     param.data = param.data.float()
         if library:  # the one-call decoder and the screened head are C panels' own; the lookups keep their table
             dequantize_weights(model.embed_tokens, self.dtype, self.device)
-            model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.weight.detach())
+            model.lm_head.kernel = OneDnnLinear.pack(model.lm_head.release_weight())
             model.embed_tokens.kernel = partial(_fp32_rows, model.embed_tokens.weight.detach())
             return
         if model.lm_head.quantized is not None:
@@ -258,7 +258,7 @@ class CpuBackend(TorchBackend):
         elif model.lm_head in kernels:  # on the tiles, fp32 or widened: the lookups read these panels too
             head = kernels[model.lm_head].packed
         else:
-            head = self._pack_dense("lm_head", model.lm_head.release_weight(), pack if bf16 else pack_head)
+            head = self._pack_linear("lm_head", model.lm_head, pack if bf16 else pack_head)
         model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
@@ -377,10 +377,20 @@ class CpuBackend(TorchBackend):
         self.int8_tile_rows = _tile_rows(kernel, in_features)
         return dot
 
-    def _pack_dense(self, name: str, weight: torch.Tensor,
-                    pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
-        """``pack(weight)``, module ``name``'s panels: mapped from the panel cache where it holds them."""
-        return pack(weight) if self.panel_cache is None else self.panel_cache.pack_dense(name, weight, pack)
+    def _pack_dense(self, name: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor | None],
+                    read: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """``pack(weight)``, module ``name``'s panels: mapped from the panel cache where it holds them. ``read``: the
+        weight's values, where ``weight`` gives only its shape and dtype (on the meta device, not read yet)."""
+        if self.panel_cache is None:
+            return pack(read() if read is not None else weight)
+        return self.panel_cache.pack_dense(name, weight, pack, read)
+
+    def _pack_linear(self, name: str, module: Linear,
+                     pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Linear layer ``name``'s panels (``_pack_dense``), its weight let go after: read only where packed here."""
+        panels = self._pack_dense(name, module.weight, pack, module.dense_weight)
+        module.drop_weight()
+        return panels
 
     def after_start_up(self) -> None:
         # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the

@@ -152,13 +152,14 @@ class PanelCache:
         return self._entry(_digest(f"{name}{weight.type_id}:{weight.in_features}:".encode()
                                    + positions.numpy().tobytes()), pack)
 
-    def pack_dense(self, name: str, weight: torch.Tensor,
-                   pack: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
+    def pack_dense(self, name: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor | None],
+                   read: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """The panels ``pack(weight)`` makes of module ``name``'s dense weight: the cache file's, where it holds
-        them, else ``pack``'s (None, where it makes none, is neither cached nor returned from the cache)."""
+        them, else ``pack``'s (None, where it makes none, is neither cached nor returned from the cache). ``read``:
+        the weight's values, called only where packed here, where ``weight`` gives only its shape and dtype."""
         how = getattr(pack, "__qualname__", None) or repr(pack)
         key = _digest(f"dense:{name}:{list(weight.shape)}:{weight.dtype}:{getattr(pack, '__module__', '')}.{how}")
-        return self._entry(key, partial(pack, weight))
+        return self._entry(key, (lambda: pack(read())) if read is not None else partial(pack, weight))
 
     def _entry(self, key: str, pack: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         panels = self._mapped(self._entries.get(key))

@@ -63,7 +63,7 @@ def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, b
     with torch.device(device), _default_dtype(dtype):
         model = build_model(shard.model_config() if shard else config, max_position, backend.make_attention)
     weights = iter_weights(files, config)
-    model.load_weights(shard.weights(weights) if shard else weights)
+    model.load_weights(shard.weights(weights) if shard else weights, lazy=backend.lazy_weights)
     if all_reduce is not None:
         for layer in model.layers:
             layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = all_reduce

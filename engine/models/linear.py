@@ -5,7 +5,9 @@ weight's original layout, so the model's weights are held once either way; witho
 
 Their weights start on the meta device: they are always loaded next (``LlamaForCausalLM.load_weights``), either into
 a tensor made then or as a GGUF file's blocks (``Blocks``) that leave ``weight`` empty, so no random initialization
-is spent and no dense weight is ever made for a quantized one.
+is spent and no dense weight is ever made for a quantized one. For a backend that packs every weight
+(``TorchBackend.lazy_weights``), a checkpoint's dense weights stay views of its files' mappings (``parts``) until
+packed: where the panels are cached, they are never read.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class Linear(nn.Linear):
     # A tensor-parallel rank's input-split projection (engine/tensor_parallel.py): its product is a partial sum,
     # summed in place across the ranks before the bias is added once.
     all_reduce: Callable[[torch.Tensor], None] | None = None
+    # A checkpoint's tensors of this weight (q, k and v of a fused one, in order), views of the files' mappings, while
+    # ``weight`` waits on the meta device. Why: an 8B bfloat16 checkpoint's 15 GiB were copied into the weights at
+    # every start and then packed, or dropped where the panel cache held the panels (docs/benchmarks.md).
+    parts: list[torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
@@ -45,11 +51,25 @@ class Linear(nn.Linear):
             return self.kernel(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight, detached, in its dtype: stacked from its ``parts`` where they wait (read again at each call)."""
+        if self.parts is None:
+            return self.weight.detach()
+        parts = [p.to(self.weight.dtype) for p in self.parts]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
     def release_weight(self) -> torch.Tensor:
         """The weight, detached, for a backend to pack; the layer keeps only an empty placeholder."""
-        weight = self.weight.detach()
-        self.weight = nn.Parameter(weight.new_empty(0, self.in_features), requires_grad=False)
+        weight = self.dense_weight()
+        self.drop_weight()
         return weight
+
+    def drop_weight(self) -> None:
+        """The weight let go (a backend holds its panels), read or not; an empty placeholder in its place."""
+        device = "cpu" if self.weight.is_meta else self.weight.device
+        self.parts = None
+        self.weight = nn.Parameter(torch.empty(0, self.in_features, dtype=self.weight.dtype, device=device),
+                                   requires_grad=False)
 
     def take_quantized(self) -> Blocks:
         """The quantized weight, for a backend to pack; the layer keeps only an empty placeholder."""

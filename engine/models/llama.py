@@ -215,14 +215,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Blocks]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Blocks]], lazy: bool = False) -> None:
         """Copy a transformers checkpoint's tensors in, fusing q/k/v and gate/up. Fails on anything missing.
         A GGUF file's blocks (``FileBlocks``, or a decoded ``QuantizedWeight``) are kept as the layer's ``quantized``,
-        the shards of a fused layer stacked once all have come."""
+        the shards of a fused layer stacked once all have come. ``lazy`` (the weights on the CPU): a linear layer's
+        tensors are kept as they come, views of the checkpoint's mappings, as its ``parts``, and an embedding table
+        in the weights' dtype is taken as it is: nothing is read until a backend packs them."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        pending: dict[str, dict[int, Blocks]] = {}  # fused layer -> its quantized shards so far
+        pending: dict[str, dict[int, Blocks | torch.Tensor]] = {}  # fused layer -> its quantized or lazy shards so far
         loaded: set[str] = set()
+        lazy = lazy and self.weight_device.type == "cpu"
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
@@ -233,20 +236,33 @@ class LlamaForCausalLM(nn.Module):
                 target, shard = fused
                 name = ".".join([*parts[:-2], target, parts[-1]])
                 loaded.add(f"{name}#{shard}")
-                if not isinstance(tensor, torch.Tensor):
+                kept = lazy and name.endswith(".weight")
+                if kept or not isinstance(tensor, torch.Tensor):
                     shards = pending.setdefault(name, {})
                     shards[shard] = tensor
                     if len(shards) == {"qkv_proj": 3, "gate_up_proj": 2}[target]:
-                        modules[name.rpartition(".")[0]].quantized = stack([shards[i] for i in sorted(shards)])
-                        del pending[name]
+                        ordered = [shards[i] for i in sorted(shards)]
+                        dense = {isinstance(t, torch.Tensor) for t in ordered}
+                        if dense == {True}:
+                            self._keep_parts(params, name, ordered)
+                        elif dense == {False}:
+                            modules[name.rpartition(".")[0]].quantized = stack(ordered)
+                        if len(dense) == 1:  # else left pending: refused below
+                            del pending[name]
                     continue
                 offset = self._shard_offset(target, shard)
                 self._materialized(params, name).data[offset : offset + tensor.shape[0]].copy_(tensor)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            module = modules[name.rpartition(".")[0]]
             if not isinstance(tensor, torch.Tensor):
-                modules[name.rpartition(".")[0]].quantized = tensor
+                module.quantized = tensor
+            elif lazy and isinstance(module, Linear) and name.endswith(".weight"):
+                self._keep_parts(params, name, [tensor])
+            elif (lazy and isinstance(module, VocabEmbedding) and tensor.dtype == self.weight_dtype
+                  and tensor.is_contiguous() and tensor.shape == params[name].shape):
+                self._materialized(params, name, tensor)
             else:
                 self._materialized(params, name).data.copy_(tensor)
             loaded.add(name)
@@ -263,20 +279,31 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
 
-    def _materialized(self, params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
-        """Parameter ``name`` with storage of its own: made (uninitialized) on its first write if it is still on the
-        meta device, and set wherever it is shared (a tied LM head)."""
+    def _materialized(self, params: dict[str, nn.Parameter], name: str,
+                      storage: torch.Tensor | None = None) -> nn.Parameter:
+        """Parameter ``name`` with storage of its own: made (uninitialized, or ``storage`` itself) on its first write
+        if it is still on the meta device, and set wherever it is shared (a tied LM head)."""
         param = params[name]
         if not param.is_meta:
             return param
-        made = nn.Parameter(torch.empty(param.shape, dtype=self.weight_dtype, device=self.weight_device),
-                            requires_grad=False)
+        if storage is None:
+            storage = torch.empty(param.shape, dtype=self.weight_dtype, device=self.weight_device)
+        made = nn.Parameter(storage, requires_grad=False)
         for module in self.modules():
             for attr, value in list(module._parameters.items()):
                 if value is param:
                     setattr(module, attr, made)
         params[name] = made
         return made
+
+    def _keep_parts(self, params: dict[str, nn.Parameter], name: str, parts: list[torch.Tensor]) -> None:
+        """A linear layer's weight left on the meta device, its checkpoint tensors kept as its ``parts``."""
+        module, shape = self.get_submodule(name.rpartition(".")[0]), params[name].shape
+        rows = sum(p.shape[0] for p in parts)
+        if any(p.dim() != 2 or p.shape[1] != shape[1] for p in parts) or rows != shape[0]:
+            raise ValueError(f"checkpoint tensors of {name} are {[list(p.shape) for p in parts]}, "
+                             f"not the {list(shape)} the config makes")
+        module.parts = parts
 
     def _shard_offset(self, target: str, shard: int) -> int:
         attn = self.layers[0].self_attn
