@@ -306,6 +306,12 @@ def test_embedding_rows_read_from_panels_are_the_table_bit_for_bit(grid, k):
             cpu.embed_rows(packed, torch.tensor([3, bad]), n)
     with pytest.raises(ValueError, match="holds 72 rows, not 73"):
         cpu.embed_rows(packed, torch.tensor([3]), 73)
+    # every row's norm at once (the LM head's int8 screen), of the same values: the rows' own, in double
+    norms = cpu.row_norms(packed, n)
+    assert norms.dtype == torch.float64 and norms.shape == (n,)
+    torch.testing.assert_close(norms, table.double().norm(dim=1), rtol=1e-13, atol=0)
+    with pytest.raises(ValueError, match="holds 72 rows, not 73"):
+        cpu.row_norms(packed, 73)
 
 
 def test_linear_refuses_what_is_not_packed_panels():

@@ -114,16 +114,15 @@ class Int8ScreenedHead:
     one g more than the sum needs, rounded up by a relative 2^-20. E is measured per row from the very rounding the
     product applies (``q8x_rounding_error``). The columns whose bound reaches the best lower bound are recomputed
     exactly (``screened_argmax``: a median of 1 a row, p90 23, on SmolLM2's hidden states), so the token is the
-    exact head's. Building it and timing it (``screen_rows``) add ~1 s to the default model's start."""
+    exact head's. Building it (the columns' norms, ``row_norms``) and timing it (``screen_rows``) took 1.4 s of the
+    start of an 8B model, whose head is 128k x 4096 Q8_0 (docs/benchmarks.md)."""
 
     def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
         if packed.dtype != torch.int8:
             raise ValueError(f"an int8 screen takes Q8 panels, got {packed.dtype}")
         self.packed, self.vocab_size = packed, vocab_size
         self.min_rows, self.max_rows = 1, 1 << 30  # every batch size, until start-up's timing narrows it (screen_rows)
-        norms = [cpu_kernels.embed_rows(packed, torch.arange(i, min(i + BUILD_ROWS, vocab_size)), vocab_size)
-                 .double().norm(dim=1) for i in range(0, vocab_size, BUILD_ROWS)]
-        self.error = torch.cat(norms) * (1 + 2.0**-20)
+        self.error = cpu_kernels.row_norms(packed, vocab_size) * (1 + 2.0**-20)
         if not torch.isfinite(self.error).all():
             raise ValueError("the LM head has non-finite weights")
         k = packed.shape[1] * 32
@@ -156,9 +155,6 @@ class Int8ScreenedHead:
         """s [M] float64: |int8-activation logit j - exact logit j| <= s_m error_j for row m of ``hidden``."""
         rounding, g = cpu_kernels.q8x_rounding_error(hidden), self.gamma
         return (rounding * (1 + 2 * g) + 3 * g * hidden.double().norm(dim=1)) * (1 + 2.0**-20)
-
-
-BUILD_ROWS = 4096  # head columns read back at a time while building: 9 MB of fp32 at K = 576
 
 
 def screen_rows(screen: Int8ScreenedHead) -> tuple[int, int]:

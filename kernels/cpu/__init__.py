@@ -94,6 +94,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
+    "hp_row_norms": [_c_int, _ptr, _c_int, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_pack_gguf_widened": [_c_int, _ptr, _c_int, _c_int, _ptr],
@@ -106,7 +107,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
 }
 _RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int,
             "hp_q8x_tiles_available": _c_int, "hp_set_q8x_tile_rows": _c_int,
-            "hp_embed_rows": _c_int,
+            "hp_embed_rows": _c_int, "hp_row_norms": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
             "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
@@ -657,15 +658,33 @@ def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.
     """``weight[ids]`` [len(ids), K] fp32, read from ``packed``, the panels of ``weight`` [num_rows, K] in any
     format ``linear`` takes, so an embedding table tied to a packed LM head needs no row-major copy. Q4A, Q6A and
     Q8A panels give the fp32 values their tiles round to bfloat16, as Q4S, Q6S and Q8S panels (the same bytes) do."""
-    in_features, columns = packed_geometry(packed)
-    if columns < num_rows:
-        raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
+    in_features = _inputs_of_rows(packed, num_rows)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
     bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
                                    ids.data_ptr(), ids.shape[0], out.data_ptr())
     if bad >= 0:
         raise IndexError(f"token id {int(ids[bad])} is out of range for an embedding of {num_rows} rows")
+    return out
+
+
+def _inputs_of_rows(packed: torch.Tensor, num_rows: int) -> int:
+    """The inputs (K) of each of a packed weight's rows; ValueError where its panels hold fewer than ``num_rows``."""
+    in_features, columns = packed_geometry(packed)
+    if columns < num_rows:
+        raise ValueError(f"packed weight {tuple(packed.shape)} holds {columns} rows, not {num_rows}")
+    return in_features
+
+
+def row_norms(packed: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``weight.double().norm(dim=1)`` [num_rows] float64, read from ``packed``, the fp32, BF16 or block panels of
+    ``weight`` [num_rows, K]: the fp32 values the products use, each panel unpacked once (the LM head's int8 screen
+    needs every row's norm, ``engine/backends/greedy_head.py``)."""
+    in_features = _inputs_of_rows(packed, num_rows)
+    out = torch.empty(num_rows, dtype=torch.float64)
+    if _library().hp_row_norms(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
+                               out.data_ptr()):
+        raise ValueError(f"row norms do not read {FORMAT_NAMES.get(packed.dtype, packed.dtype)} panels")
     return out
 
 
