@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 from engine import LLM, SamplingParams
 from engine.backends import cpu as cpu_backend
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead
-from kernels import cpu
+from kernels import cdiv, cpu
 from kernels.cpu import blocks
 from tests.conftest import hf_greedy
 
@@ -312,6 +312,11 @@ def test_embedding_rows_read_from_panels_are_the_table_bit_for_bit(grid, k):
     torch.testing.assert_close(norms, table.double().norm(dim=1), rtol=1e-13, atol=0)
     with pytest.raises(ValueError, match="holds 72 rows, not 73"):
         cpu.row_norms(packed, 73)
+    # panels of the AMX tiles' layouts are refused, not read as panels of slices (Q8A: Q8S's bytes)
+    widened = torch.zeros(cdiv(n, 32), k // 32, 2 * cpu.WIDENED_TILE_BYTES[torch.float8_e4m3fnuz],
+                          dtype=torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="do not read Q8A panels"):
+        cpu.row_norms(widened, n)
 
 
 def test_linear_refuses_what_is_not_packed_panels():

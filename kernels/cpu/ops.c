@@ -1639,11 +1639,17 @@ static void split_column(int format, const char *packed, int64_t n, int K, float
  * very fp32 values the products use. Why: a tied LM head is also the embedding table, and reading the lookups from
  * its panels spares an fp32 row-major copy of the table (113 MB for SmolLM2-135M, 3.6 times its Q8 panels' 32 MB).
  * Returns the first t whose id is outside 0..N-1 (no row of out written from it on), or -1. */
-int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
-    if (format == HP_BF16C) format = BF16_PANELS; /* the same bytes; a lookup is the weight's bfloat16 value */
+/* The format whose bytes a read of a weight's values (hp_embed_rows, hp_row_norms) takes ``format``'s panels as. */
+static int read_format(int format) {
+    if (format == HP_BF16C) return BF16_PANELS; /* the same bytes; a lookup is the weight's bfloat16 value */
     /* Q4A, Q6A and Q8A panels are Q4S's, Q6S's and Q8S's bytes: a lookup is the fp32 value the tiles round to
      * bfloat16 (a tied LM head widened on AMX; the caller rounds the rows as the products do) */
-    if (format == HP_Q4A || format == HP_Q6A || format == HP_Q8A) format += HP_Q4S - HP_Q4A;
+    if (format == HP_Q4A || format == HP_Q6A || format == HP_Q8A) return format + HP_Q4S - HP_Q4A;
+    return format;
+}
+
+int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *ids, int T, float *out) {
+    format = read_format(format);
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return t;
 #pragma omp parallel for schedule(static) if (T >= 64)
@@ -1684,7 +1690,7 @@ int hp_embed_rows(int format, const void *packed, int N, int K, const int64_t *i
  * slice for each. Why: the LM head's int8 screen bounds its errors by these norms, and an 8B model's 128k-row Q8_0
  * head took 2.4 s of every start read back a row at a time. Returns 0, or -1 for a format it does not read. */
 int hp_row_norms(int format, const void *packed, int N, int K, double *norms) {
-    if (format == HP_BF16C) format = BF16_PANELS;
+    format = read_format(format); /* the split formats' columns are not NR-wide panels of slices: not read here */
     if (format == HP_BF16A || format == I8_PANELS || hp_split_format(format)) return -1;
     const int64_t panels = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
