@@ -108,6 +108,7 @@ def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(ggu
     dense = weight.dequantize()
     packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
     reference = cpu.pack_weight(dense)
+    assert torch.equal(cpu.widen_panels(packed), reference)  # the fp32 panels kept beside them (wide_panels.py)
     torch.manual_seed(0)
     for rows in (1, 3, 4, 7, 33):  # in registers (up to 4 rows) and through unpacked slices (more)
         x = torch.randn(rows, 512)

@@ -28,7 +28,7 @@ import torch
 
 from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
-from kernels.cpu.pages import empty_panels
+from kernels.cpu.pages import advise_huge_pages, empty_panels
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
@@ -95,6 +95,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
     "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int, _c_int],
     "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
     "hp_row_norms": [_c_int, _ptr, _c_int, _c_int, _ptr],
+    "hp_widen_panels": [_c_int, _ptr, _c_int, _c_int, _ptr],
     "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
     "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
     "hp_pack_gguf_widened": [_c_int, _ptr, _c_int, _c_int, _ptr],
@@ -107,7 +108,7 @@ _SIGNATURES = {  # argument types of the kernels ops.c exports; each returns not
 }
 _RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int,
             "hp_q8x_tiles_available": _c_int, "hp_set_q8x_tile_rows": _c_int,
-            "hp_embed_rows": _c_int, "hp_row_norms": _c_int,
+            "hp_embed_rows": _c_int, "hp_row_norms": _c_int, "hp_widen_panels": _c_int,
             "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
             "hp_set_f32_body": _c_int,
             "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
@@ -162,6 +163,11 @@ def panel_width() -> int:
     return _library().hp_panel_width()
 
 
+def register_rows() -> int:
+    """The most rows a product over compact panels computes without widening them into fp32 first (MRF in ops.c)."""
+    return _library().hp_register_rows()
+
+
 def panel_layout() -> str:
     """A name for the layouts the packing functions here write (``pack_gguf_rows``, ``pack_weight_compact``,
     ``pack_weight_bf16c`` ...): the build's (its sources, compiler and CPU, ``_build``), the Python that shapes
@@ -206,6 +212,10 @@ FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16
                 torch.float8_e5m2fnuz: "Q4S", torch.float4_e2m1fn_x2: "Q6S", torch.float8_e8m0fnu: "Q8S",
                 torch.bits4x2: "Q4KS", torch.bits8: "Q6KS",
                 **blocks.BLOCK_PANEL_NAMES, **blocks.K_QUANT_NAMES}
+# The compact panels: the same fp32 values as fp32 panels in fewer bytes (BF16, Q4, Q8, Q5, Q6M, Q4K, Q5K, Q6K), which
+# the products widen to fp32 as they read them (widen_panels gives those fp32 panels)
+COMPACT_DTYPES = frozenset({torch.bfloat16, torch.uint8, torch.int8, torch.int32, torch.float64, torch.uint16,
+                            torch.uint32, torch.uint64})
 HP_Q8X = 256  # ops.h: the int8-activation flag on a format's code
 # enum hp_kv_format (ops.h) of each K/V pool dtype; an int8 pool's rows are kernels/kv_int8.py's
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -685,6 +695,20 @@ def row_norms(packed: torch.Tensor, num_rows: int) -> torch.Tensor:
     if _library().hp_row_norms(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
                                out.data_ptr()):
         raise ValueError(f"row norms do not read {FORMAT_NAMES.get(packed.dtype, packed.dtype)} panels")
+    return out
+
+
+def widen_panels(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 panels (``pack_weight``'s layout) of a weight held as BF16 or block panels: the values the products
+    unpack from those, so ``linear`` over either gives the same bits; in fresh memory on huge pages, outside any
+    panel arena (they are never a panel cache's)."""
+    in_features, columns = packed_geometry(packed)
+    out = torch.empty(columns // panel_width(), in_features, panel_width(), dtype=torch.float32)
+    advise_huge_pages(out.data_ptr(), out.nbytes)
+    if _library().hp_widen_panels(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), columns, in_features,
+                                  out.data_ptr()):
+        name = FORMAT_NAMES.get(packed.dtype, packed.dtype)
+        raise ValueError(f"widen_panels takes compact panels (BF16 or blocks), not {name}")
     return out
 
 

@@ -190,6 +190,9 @@ static float exp_sub_sum(float *x, int n, float sub) {
 #endif
 
 int hp_panel_width(void) { return NR; }
+/* The most rows a product over compact panels runs in registers, widening their values there; from one more on, it
+ * widens each panel slice into an fp32 buffer first (panel_product). */
+int hp_register_rows(void) { return MRF; }
 
 /* packed [ceil(N / width), K, width] = w [N, K] by panels of width columns, zero past column N: 32-bit words moved
  * as bits, so fp32 weights or two bfloat16 (k, k + 1) a word, the BF16C and BF16A layouts. Why in C: torch's copy
@@ -1709,6 +1712,25 @@ int hp_row_norms(int format, const void *packed, int N, int K, double *norms) {
         }
         for (int c = 0; c < NR && p * NR + c < N; c++) norms[p * NR + c] = sqrt(sums[c]);
     }
+    return 0;
+}
+
+/* The fp32 panels [panels, K, NR] of a weight held as compact panels (BF16, or blocks of Q4, Q8, Q5, Q6M and the
+ * K-quants): the very fp32 slices the products unpack from them once they take more than MRF rows (panel_product),
+ * so a product over either gives the same bits. Why: a step of many rows pays that widening at every step; a small
+ * model can keep both, the compact panels for the few rows bound by their bytes, these for the many
+ * (engine/backends/wide_panels.py). Returns 0, or -1 for a format whose products are not fp32 panels' (BF16C and
+ * the AMX formats) or that is not compact (fp32, int8). */
+int hp_widen_panels(int format, const void *packed, int N, int K, float *out) {
+    if (format != BF16_PANELS && format != Q4_PANELS && format != Q8_PANELS && format != Q5_PANELS &&
+        format != Q6M_PANELS && format != Q4K_PANELS && format != Q5K_PANELS && format != Q6K_PANELS)
+        return -1;
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int k0 = 0; k0 < K; k0 += KC)
+            unpack((const char *)packed + panel_bytes(p * K + k0, format), K - k0 < KC ? K - k0 : KC,
+                   out + (p * K + k0) * NR, format);
     return 0;
 }
 
