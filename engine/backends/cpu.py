@@ -7,6 +7,8 @@ What it does with a model (``prepare``):
   on them instead, from BF16A panels (BF16C 32 columns wide: two whole tiles);
 - fp32: every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16
   where the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
+  where those fp32 panels are small beside the memory, they are kept too, and products of as many rows as start-up
+  timed them faster from read them instead (``wide_panels.py``);
 - the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
   is kept beside them;
 - a GGUF file's blocks are packed as they are, or mapped from a cache file of the panels an earlier start packed
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.backends import widened
+from engine.backends import wide_panels, widened
 from engine.backends.base import TorchBackend
 from engine.backends.gemm_plan import (
     GemmPlan,
@@ -43,6 +45,7 @@ from engine.backends.gemm_plan import (
     measure_plan,
 )
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_rows
+from engine.backends.packed_linear import PackedLinear, SplitLinear
 from engine.backends.panel_cache import PanelCache
 from engine.model_loader import cache_root
 from engine.models.linear import Linear, dequantize_weights
@@ -81,35 +84,6 @@ SPLIT_ROWS = (1, 16, 64)
 # Weights (as bytes of bfloat16) over which they are timed: the tiles save FMAs, not bytes, so a working set past L2
 # shows it, and more layers only lengthen the start (a 1B model's first 9 layers timed both ways took ~3 s of it).
 SPLIT_TIMING_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class PackedLinear:
-    """A linear layer's product over its packed panels (``Linear.kernel``)."""
-
-    packed: torch.Tensor  # [panels, K, P] in one of kernels.cpu.WEIGHT_FORMATS
-    out_features: int
-    int8_activations: bool = False  # a GGUF file's blocks times int8 activations (--quantized-matmul int8)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.packed, self.out_features, bias, self.int8_activations)
-
-
-@dataclass(frozen=True)
-class SplitLinear:
-    """A fused projection held as panels of two formats (a GGUF file's ``SplitBlocks``): each product writes its
-    own columns of the one output."""
-
-    head: PackedLinear
-    tail: PackedLinear
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n = self.head.out_features
-        y = torch.empty(x.shape[0], n + self.tail.out_features, dtype=torch.float32)
-        for part, columns in ((self.head, slice(0, n)), (self.tail, slice(n, None))):
-            cpu_kernels.linear(x, part.packed, part.out_features, None if bias is None else bias[columns],
-                               part.int8_activations, out=y[:, columns])
-        return y
 
 
 @dataclass(frozen=True)
@@ -152,6 +126,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.decoder: Decoder | None = None
+        self.wide_decoder: Decoder | None = None  # the same layers over their fp32 panels (wide_panels.py)
+        self.wide_rows = 0  # from how many rows on the products read the fp32 panels (timed; 0: none kept)
         self.greedy_head: ScreenedGreedyHead | Int8ScreenedHead | None = None
         self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
@@ -285,9 +261,13 @@ class CpuBackend(TorchBackend):
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
             self.argmax_head = kernel
+        if not bf16:
+            self.wide_rows = wide_panels.attach(model, self._free_memory())
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
-        self.decoder = _decoder(model, self.int8_activations) if self.config.tensor_parallel_size == 1 else None
+        if self.config.tensor_parallel_size == 1:
+            self.decoder = _decoder(model, self.int8_activations)
+            self.wide_decoder = _decoder(model, self.int8_activations, wide=True) if self.wide_rows else None
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
@@ -356,7 +336,9 @@ class CpuBackend(TorchBackend):
             tables = meta.block_tables[meta.req_of_token]
             seq_lens = (positions + 1).to(torch.int32)
         x = model.embed_tokens(input_ids)
-        return self.decoder(x, positions, meta.slot_mapping, tables, seq_lens, kv_caches)
+        wide = self.wide_decoder is not None and input_ids.shape[0] >= self.wide_rows
+        return (self.wide_decoder if wide else self.decoder)(x, positions, meta.slot_mapping, tables, seq_lens,
+                                                             kv_caches)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         tokens = None if self.greedy_head is None else self.greedy_head.argmax(hidden)
@@ -414,7 +396,7 @@ class CpuBackend(TorchBackend):
         return self.panel_cache.mapped_bytes if self.panel_cache is not None else 0
 
     def weight_holders(self) -> list[object]:
-        return [self.decoder, self.greedy_head]
+        return [self.decoder, self.wide_decoder, self.greedy_head]
 
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
@@ -426,6 +408,7 @@ class CpuBackend(TorchBackend):
         blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
         blocks += f", GGUF blocks on {'AMX tiles in fp32' if self.split_body == 'tiles' else 'FMAs'}" \
             if self.split_body else ""
+        blocks += f", fp32 panels beside the compact from {self.wide_rows} rows" if self.wide_rows else ""
         return f"cpu backend (C kernels, {products} products{int8}{blocks})"
 
 
@@ -573,20 +556,22 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def _packed(layer: Linear) -> dict[str, torch.Tensor | int | None]:
-    """A projection's panels as ``LayerWeights`` holds them: whole, or a head and a tail (``SplitLinear``)."""
-    kernel = layer.kernel
-    if isinstance(kernel, SplitLinear):
-        return {"": kernel.head.packed, "_tail": kernel.tail.packed, "_head_rows": kernel.head.out_features}
-    return {"": kernel.packed}
+def _packed(layer: Linear, wide: bool) -> dict[str, torch.Tensor | int | None]:
+    """A projection's panels as ``LayerWeights`` holds them: whole, or a head and a tail (``SplitLinear``); its
+    fp32 panels where ``wide`` and it has them."""
+    panels = [part.wide if wide and part.wide is not None else part.packed for part in layer.kernel.parts]
+    if isinstance(layer.kernel, SplitLinear):
+        return {"": panels[0], "_tail": panels[1], "_head_rows": layer.kernel.head.out_features}
+    return {"": panels[0]}
 
 
-def _fused(name: str, layer: Linear) -> dict[str, torch.Tensor | int]:
-    return {name + suffix: value for suffix, value in _packed(layer).items()}
+def _fused(name: str, layer: Linear, wide: bool) -> dict[str, torch.Tensor | int]:
+    return {name + suffix: value for suffix, value in _packed(layer, wide).items()}
 
 
-def _decoder(model: LlamaForCausalLM, int8_activations: bool) -> Decoder:
-    """The model's packed layers, described for the one-call C decoder."""
+def _decoder(model: LlamaForCausalLM, int8_activations: bool, wide: bool = False) -> Decoder:
+    """The model's packed layers, described for the one-call C decoder: over their fp32 panels where ``wide``
+    (``wide_panels.py``)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     shape = DecoderShape(
         hidden=model.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
@@ -596,9 +581,10 @@ def _decoder(model: LlamaForCausalLM, int8_activations: bool) -> Decoder:
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append(LayerWeights(
-            input_norm=_detached(layer.input_layernorm.weight), **_fused("qkv", a.qkv_proj), o=a.o_proj.kernel.packed,
-            post_norm=_detached(layer.post_attention_layernorm.weight), **_fused("gate_up", m.gate_up_proj),
-            down=m.down_proj.kernel.packed, qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
+            input_norm=_detached(layer.input_layernorm.weight), **_fused("qkv", a.qkv_proj, wide),
+            o=_packed(a.o_proj, wide)[""], post_norm=_detached(layer.post_attention_layernorm.weight),
+            **_fused("gate_up", m.gate_up_proj, wide), down=_packed(m.down_proj, wide)[""],
+            qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
             gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
             q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
         ))

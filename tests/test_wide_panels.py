@@ -1,0 +1,111 @@
+"""fp32 panels kept beside compact ones (engine/backends/wide_panels.py): the values the products widen the compact
+panels to, so the same bits, logprobs and tokens whichever a step reads; kept only where they fit and where
+start-up timed them faster, from the row count it found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.backends import wide_panels
+from engine.backends.packed_linear import PackedLinear
+from kernels import cpu
+from tests.conftest import quick
+from tests.test_compact_weights import GRIDS, bits
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
+
+
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+@pytest.mark.parametrize("k,n", [(64, 49), (800, 30)])  # 800: more than one KC slice of a panel
+def test_compact_panels_widen_to_the_fp32_panels_of_their_weight(grid, k, n):
+    w = GRIDS[grid][0](torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.1)
+    compact, full = cpu.pack_weight_compact(w), cpu.pack_weight(w)
+    assert compact.dtype in cpu.COMPACT_DTYPES
+    wide = cpu.widen_panels(compact)
+    assert wide.shape == full.shape and torch.equal(wide, full)  # Q4_0's -0.0 is +0.0 in both (the same products)
+    x = torch.randn(90, k)
+    for rows in (1, 8, 9, 90):  # in registers, then over widened slices
+        assert torch.equal(bits(cpu.linear(x[:rows], wide, n)), bits(cpu.linear(x[:rows], compact, n)))
+
+
+def test_panels_that_are_not_compact_are_not_widened():
+    w = torch.randn(30, 64)
+    for packed, name in ((cpu.pack_weight(w), "F32"), (cpu.pack_weight_bf16c(w), "BF16C")):
+        with pytest.raises(ValueError, match=f"takes compact panels .*, not {name}"):
+            cpu.widen_panels(packed)
+
+
+def test_the_row_count_is_the_fewest_from_which_fp32_panels_won_at_every_larger_one(monkeypatch):
+    """Timed from the most rows down, the first loss ends the search: a win below it is not taken."""
+    kernel = PackedLinear(cpu.pack_weight_compact(GRIDS["q4"][0](torch.randn(30, 64))), 30)
+    kernels = [wide_panels.widened(kernel)]
+    candidates = sorted({cpu.register_rows() + 1, *wide_panels.CANDIDATE_ROWS})
+
+    def timed(wins: set[int]) -> int:
+        def best_in_turns(fns, turns):
+            rows = next(iter(fns["fp32"].args[1].values())).shape[0]
+            return {"compact": 1.0, "fp32": 0.5 if rows in wins else 2.0}
+        monkeypatch.setattr(wide_panels, "best_in_turns", best_in_turns)
+        return wide_panels.from_rows(kernels)
+
+    assert timed(set(candidates)) == candidates[0]
+    assert timed(set(candidates[1:])) == candidates[1]
+    assert timed({candidates[-1], *candidates[:-2]}) == candidates[-1]  # a loss below the most rows
+    assert timed(set(candidates[:-1])) == 0  # a loss at the most rows: none kept
+
+
+def _engine(monkeypatch, rows: int, **options) -> LLM:
+    """The default model in fp32, start-up's timing of the fp32 panels overruled: read from ``rows`` on (0: none)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(wide_panels, "from_rows", lambda kernels: rows)
+        return LLM(None, **quick(dtype="float32", gemm_kernels="c", **options))
+
+
+class _Calls:
+    """A decoder that counts its calls."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder, self.calls = decoder, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.decoder(*args)
+
+
+def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_compact(prompt_ids, monkeypatch):
+    """Its Q4_1 projections and tied Q8_0 LM head keep their compact panels and gain fp32 ones, which steps of at
+    least ``wide_rows`` rows read, in the one-call decoder and in the head; the logprobs are those of the compact
+    panels alone, whatever the batch."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    out = {}
+    for rows in (9, 0):
+        llm = _engine(monkeypatch, rows)
+        backend, model = llm.engine.backend, llm.engine.model
+        assert backend.wide_rows == rows
+        linears = [m for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedLinear)]
+        assert len(linears) == 4 * 30 + 1  # every projection and the LM head
+        assert all((m.kernel.wide is not None) == (rows > 0) and m.kernel.packed.dtype in cpu.COMPACT_DTYPES
+                   for m in linears)
+        assert (backend.wide_decoder is not None) == (rows > 0)
+        if rows:
+            assert "fp32 panels beside the compact from 9 rows" in backend.describe()
+            backend.decoder, backend.wide_decoder = _Calls(backend.decoder), _Calls(backend.wide_decoder)
+        outs = llm.generate(prompt_ids, params)  # steps of 8 prompts' decodes (compact) and of prompts (fp32)
+        out[rows] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        alone = llm.generate(prompt_ids[:1], params)[0].outputs[0]  # one stream: compact panels only
+        assert (alone.token_ids, alone.logprobs) == out[rows][0]
+        if rows:
+            assert backend.decoder.calls > 0 and backend.wide_decoder.calls > 0
+        del llm
+    assert out[9] == out[0]
+
+
+def test_fp32_panels_are_kept_only_where_they_fit(prompt_ids, monkeypatch):
+    monkeypatch.setattr(wide_panels, "MAX_BYTES", 100 << 20)  # the default model's take 513 MiB
+    llm = _engine(monkeypatch, 9)
+    backend = llm.engine.backend
+    assert backend.wide_rows == 0 and backend.wide_decoder is None
+    assert all(m.kernel.wide is None for m in llm.engine.model.modules()
+               if isinstance(getattr(m, "kernel", None), PackedLinear))
