@@ -80,7 +80,7 @@ _HELP = {
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for field in dataclasses.fields(EngineConfig):
-        if field.name in ("model", "enable_prefix_caching", "enforce_eager", "panel_cache"):
+        if field.name in ("model", "enable_prefix_caching", "enforce_eager", "panel_cache", "fp32_panels"):
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = parse_memory if field.name == "kv_cache_memory" else (
@@ -108,6 +108,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="on a CPU, pack a GGUF file's weights at every start instead of mapping the panels an earlier start "
         "kept in $HARPOON_CACHE/panels (as large as the file)",
+    )
+    group.add_argument(
+        "--no-fp32-panels",
+        dest="fp32_panels",
+        action="store_false",
+        default=None,
+        help="on a CPU in fp32, do not keep a small model's fp32 panels (up to 1 GiB) beside its Q4/Q8/BF16 ones: "
+        "less memory, slower steps of many rows",
     )
 
 

@@ -89,6 +89,9 @@ def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_c
         assert all((m.kernel.wide is not None) == (rows > 0) and m.kernel.packed.dtype in cpu.COMPACT_DTYPES
                    for m in linears)
         assert (backend.wide_decoder is not None) == (rows > 0)
+        fp32 = sum(wide_panels.fp32_bytes(m.kernel) for m in linears)
+        assert 500 << 20 < fp32 < 520 << 20 and backend.wide_bytes == (fp32 if rows else 0)
+        assert llm.engine.memory_ledger.weights > backend.wide_bytes  # counted in the weights
         if rows:
             assert "fp32 panels beside the compact from 9 rows" in backend.describe()
             backend.decoder, backend.wide_decoder = _Calls(backend.decoder), _Calls(backend.wide_decoder)
@@ -102,10 +105,13 @@ def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_c
     assert out[9] == out[0]
 
 
-def test_fp32_panels_are_kept_only_where_they_fit(prompt_ids, monkeypatch):
-    monkeypatch.setattr(wide_panels, "MAX_BYTES", 100 << 20)  # the default model's take 513 MiB
-    llm = _engine(monkeypatch, 9)
+@pytest.mark.parametrize("why", ["too large", "turned off"])
+def test_fp32_panels_are_kept_only_where_they_fit_and_are_asked_for(monkeypatch, why):
+    if why == "too large":
+        monkeypatch.setattr(wide_panels, "MAX_BYTES", 100 << 20)  # the default model's take 513 MiB
+    llm = _engine(monkeypatch, 9, **({"fp32_panels": False} if why == "turned off" else {}))
     backend = llm.engine.backend
-    assert backend.wide_rows == 0 and backend.wide_decoder is None
+    assert backend.wide_rows == 0 and backend.wide_decoder is None and backend.wide_bytes == 0
     assert all(m.kernel.wide is None for m in llm.engine.model.modules()
                if isinstance(getattr(m, "kernel", None), PackedLinear))
+    assert llm.engine.memory_ledger.weights < 120 << 20  # the compact panels alone: 110.8 MiB

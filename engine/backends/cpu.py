@@ -128,6 +128,7 @@ class CpuBackend(TorchBackend):
         self.decoder: Decoder | None = None
         self.wide_decoder: Decoder | None = None  # the same layers over their fp32 panels (wide_panels.py)
         self.wide_rows = 0  # from how many rows on the products read the fp32 panels (timed; 0: none kept)
+        self.wide_bytes = 0  # and those panels' bytes (in the ledger's weights)
         self.greedy_head: ScreenedGreedyHead | Int8ScreenedHead | None = None
         self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
@@ -261,8 +262,9 @@ class CpuBackend(TorchBackend):
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
             self.argmax_head = kernel
-        if not bf16:
+        if not bf16 and self.config.fp32_panels:
             self.wide_rows = wide_panels.attach(model, self._free_memory())
+            self.wide_bytes = wide_panels.held_bytes(model)
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
         if self.config.tensor_parallel_size == 1:

@@ -73,8 +73,7 @@ def attach(model: LlamaForCausalLM, free: int) -> int:
     """Give every compact projection of ``model`` and its LM head their fp32 panels where they fit (at most
     MAX_BYTES and MAX_FREE_SHARE of ``free``) and start-up measures them faster from some row count on: that row
     count, else 0 (none kept)."""
-    modules = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.kernel, (PackedLinear, SplitLinear))
-               and fp32_bytes(m.kernel)]
+    modules = [m for m in _products(model) if fp32_bytes(m.kernel)]
     total, cap = sum(fp32_bytes(m.kernel) for m in modules), min(MAX_BYTES, int(free * MAX_FREE_SHARE))
     if not modules or total > cap:
         if modules:
@@ -94,6 +93,11 @@ def attach(model: LlamaForCausalLM, free: int) -> int:
     if rows:
         logger.info("fp32 panels beside the compact ones (%.0f MiB), read from %d rows on", total / 2**20, rows)
     return rows
+
+
+def held_bytes(model: LlamaForCausalLM) -> int:
+    """The bytes of the fp32 panels ``model``'s products hold beside their compact ones."""
+    return sum(part.wide.nbytes for m in _products(model) for part in m.kernel.parts if part.wide is not None)
 
 
 def from_rows(kernels: list[Kernel]) -> int:
@@ -122,3 +126,8 @@ def _each(kernels: list[Kernel], x: dict[int, torch.Tensor], wide: bool) -> None
         for part in kernel.parts:
             rows = x[cpu_kernels.packed_geometry(part.packed)[0]]
             cpu_kernels.linear(rows, part.wide if wide and part.wide is not None else part.packed, part.out_features)
+
+
+def _products(model: LlamaForCausalLM) -> list[Linear]:
+    """``model``'s linear layers whose products are packed panels."""
+    return [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.kernel, (PackedLinear, SplitLinear))]
