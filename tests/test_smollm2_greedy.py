@@ -85,6 +85,22 @@ def test_greedy_tokens_from_the_int8_screen(prompt_ids, expected, monkeypatch):
     assert calls == [] and max(decided) >= 4  # every step's tokens from the screen, batches of several rows too
 
 
+@pytest.mark.skipif(not cpu.q8x_available(), reason="no integer dot products on this CPU")
+def test_the_int8_screen_is_timed_again_once_started(monkeypatch):
+    """A server's engine times the screen again once the API process has loaded (``after_start_up``), and keeps
+    that choice: a screen timed slower at first is taken up, and one timed faster dropped."""
+    for first, again in (((0, 0), (4, 256)), ((1, 256), (0, 0))):
+        timings = iter((first, again))
+        monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen, timings=timings: next(timings))
+        engine = engine_with()
+        backend = engine.backend
+        assert isinstance(backend.int8_screen, Int8ScreenedHead)
+        assert backend.greedy_head is (backend.int8_screen if first[1] else None)
+        backend.after_start_up()
+        assert backend.greedy_head is (backend.int8_screen if again[1] else None)
+        assert (backend.int8_screen.min_rows, backend.int8_screen.max_rows) == again
+
+
 def test_greedy_identical_under_preemption(prompt_ids, expected):
     engine = engine_with(kv_cache_memory=14 * BYTES_PER_BLOCK)
     assert engine.block_manager.num_blocks == 14

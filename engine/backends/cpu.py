@@ -130,6 +130,7 @@ class CpuBackend(TorchBackend):
         self.wide_rows = 0  # from how many rows on the products read the fp32 panels (timed; 0: none kept)
         self.wide_bytes = 0  # and those panels' bytes (in the ledger's weights)
         self.greedy_head: ScreenedGreedyHead | Int8ScreenedHead | None = None
+        self.int8_screen: Int8ScreenedHead | None = None  # a Q8 head's screen, the greedy head where timed faster
         self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
         self.int8_activations = False
@@ -257,7 +258,8 @@ class CpuBackend(TorchBackend):
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         elif (head.dtype == torch.int8 and model.lm_head.bias is None
               and not self.int8_activations and cpu_kernels.q8x_available()):
-            self.greedy_head = _int8_screen(head, vocab)
+            self.int8_screen = Int8ScreenedHead(head, vocab)
+            self._time_screen()
         kernel, probe = model.lm_head.kernel, torch.zeros(1, model.config.hidden_size)
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
@@ -361,6 +363,17 @@ class CpuBackend(TorchBackend):
         self.int8_tile_rows = _tile_rows(kernel, in_features)
         return dot
 
+    def _time_screen(self) -> None:
+        """Time the LM head's int8 screen, where it has one, against its exact product: the greedy head for the row
+        counts at which it measured faster (``screen_rows``), else none."""
+        screen = self.int8_screen
+        if screen is None:
+            return
+        screen.min_rows, screen.max_rows = screen_rows(screen)
+        logger.info("greedy tokens from the LM head's int8 screen: %s", f"at {screen.min_rows}-{screen.max_rows} rows"
+                    if screen.max_rows else "not faster than the exact head here")
+        self.greedy_head = screen if screen.max_rows else None
+
     def _pack_dense(self, name: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor | None],
                     read: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """``pack(weight)``, module ``name``'s panels: mapped from the panel cache where it holds them. ``read``: the
@@ -382,6 +395,10 @@ class CpuBackend(TorchBackend):
         # maddubs 0.44" ms (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16
         # and 64 clients than the next start, which kept VNNI (docs/benchmarks.md).
         self._time_body()
+        # NOTE: and the int8 screen's rows, for the same reason: timed while the API process loaded, five starts of
+        # the default server kept it at 1-1, 1-1, 1-16, 1-256 and 4-256 rows; in an idle process, 4-256 five times
+        # in six and 1-256 once (AMD EPYC Zen 4), so two of those servers multiplied the whole head at 4-64 rows.
+        self._time_screen()
         if self.plan is not None:  # see gemm_plan.PEAK_BUDGET_S
             self.plan = replace(self.plan, peak_gflops=matmul_peak_gflops(self.dtype))
             logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
@@ -398,7 +415,7 @@ class CpuBackend(TorchBackend):
         return self.panel_cache.mapped_bytes if self.panel_cache is not None else 0
 
     def weight_holders(self) -> list[object]:
-        return [self.decoder, self.wide_decoder, self.greedy_head]
+        return [self.decoder, self.wide_decoder, self.greedy_head, self.int8_screen]
 
     def describe(self) -> str:
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
@@ -472,16 +489,6 @@ def _tile_rows(kernel: PackedLinear, in_features: int) -> int:
         chosen = rows
     cpu_kernels.set_q8x_tile_rows(chosen)
     return chosen
-
-
-def _int8_screen(head: torch.Tensor, vocab: int) -> Int8ScreenedHead | None:
-    """A greedy screen for an exact LM head of Q8 panels, for the row counts at which start-up measured it faster
-    than the head itself, or None."""
-    screen = Int8ScreenedHead(head, vocab)
-    screen.min_rows, screen.max_rows = screen_rows(screen)
-    logger.info("greedy tokens from the LM head's int8 screen: %s", f"at {screen.min_rows}-{screen.max_rows} rows"
-                if screen.max_rows else "not faster than the exact head here")
-    return screen if screen.max_rows else None
 
 
 def _amx_panels(weight: torch.Tensor) -> torch.Tensor:
