@@ -568,7 +568,7 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
 def _packed(layer: Linear, wide: bool) -> dict[str, torch.Tensor | int | None]:
     """A projection's panels as ``LayerWeights`` holds them: whole, or a head and a tail (``SplitLinear``); its
     fp32 panels where ``wide`` and it has them."""
-    panels = [part.wide if wide and part.wide is not None else part.packed for part in layer.kernel.parts]
+    panels = [part.read(wide) for part in layer.kernel.parts]
     if isinstance(layer.kernel, SplitLinear):
         return {"": panels[0], "_tail": panels[1], "_head_rows": layer.kernel.head.out_features}
     return {"": panels[0]}

@@ -25,9 +25,13 @@ class PackedLinear:
     def parts(self) -> tuple[PackedLinear, ...]:
         return (self,)
 
+    def read(self, wide: bool) -> torch.Tensor:
+        """Its fp32 panels where ``wide`` and it has them, else its own: the same bits from either."""
+        return self.wide if wide and self.wide is not None else self.packed
+
     def panels(self, rows: int) -> torch.Tensor:
-        """The panels a product of ``rows`` rows reads: the same bits from either."""
-        return self.wide if self.wide is not None and rows >= self.wide_rows else self.packed
+        """The panels a product of ``rows`` rows reads."""
+        return self.read(rows >= self.wide_rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_kernels.linear(x, self.panels(x.shape[0]), self.out_features, bias, self.int8_activations)

@@ -125,7 +125,7 @@ def _each(kernels: list[Kernel], x: dict[int, torch.Tensor], wide: bool) -> None
     for kernel in kernels:
         for part in kernel.parts:
             rows = x[cpu_kernels.packed_geometry(part.packed)[0]]
-            cpu_kernels.linear(rows, part.wide if wide and part.wide is not None else part.packed, part.out_features)
+            cpu_kernels.linear(rows, part.read(wide), part.out_features)
 
 
 def _products(model: LlamaForCausalLM) -> list[Linear]:
