@@ -30,6 +30,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
+from engine.start_up import burst_room, probe_room, size_cpu_token_budget, warm_up_bursts
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
 from engine.tensor_parallel import Shard
 from engine.timeline import Timelines
@@ -103,12 +104,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.backend.prefill_tokens_per_decode(),
                                    NgramProposer(spec) if spec is not None else None)
-        self.backend.bind(self)
+        self.backend.bind(self.model, self.kv_cache, self.max_num_batched_tokens, self.max_model_len)
         self.counters = StepCounters()
         self.timelines: Timelines | None = None  # made once warmed up: the start-up's made-up prompts are not kept
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len, self.tp_workers)
-        probe.measure_workspace(lambda: self.backend.warm_up(self))
+        probe.measure_workspace(self._warm_up)
         self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.memory_ledger = self._memory_ledger(probe)
         for line in self.memory_ledger.lines():
@@ -142,6 +143,21 @@ class EngineCore:
             self.step()
         bm.num_query_tokens, bm.num_hit_tokens = queries, hits
         return time.perf_counter() - start
+
+    def _warm_up(self) -> None:
+        """Before the first request, what the backend says it needs (``engine/start_up.py``): a CPU's step budget
+        timed, unless the user set one; a GPU's eager kernels compiled and loaded by bursts of made-up prompts."""
+        if self.backend.sizes_token_budget() and self.config.max_num_batched_tokens is None:
+            room = probe_room(self.max_model_len, self.kv_cache.num_blocks, self.config.block_size)
+            budget = size_cpu_token_budget(self.serve_made_up_prompts, room, self.config.block_size)
+            if budget is not None:
+                self.max_num_batched_tokens = self.scheduler.max_num_batched_tokens = budget.max_num_batched_tokens
+                self.scheduler.step_fixed_tokens = budget.step_fixed_tokens
+        smallest = self.backend.warm_up_down_to(self.max_model_len)
+        if smallest is not None:
+            most, length = burst_room(self.config.max_num_seqs, self.kv_cache.num_blocks, self.config.block_size,
+                                      self.max_model_len)
+            warm_up_bursts(self.serve_made_up_prompts, self.max_num_batched_tokens, most, length, smallest)
 
     def _max_model_len(self) -> int:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))

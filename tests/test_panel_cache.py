@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine.backends import cpu as cpu_backend
 from engine.backends import panel_cache, widened
 from engine.backends.panel_cache import PanelCache
+from engine.engine_core import EngineCore
 from engine.gguf_weights import iter_gguf_weights
 from engine.llm import LLM
 from engine.models.linear import Linear
@@ -102,13 +103,13 @@ def test_the_first_start_serves_before_its_cache_file_is_written(small_q4_k_m, t
         write(self, data)
 
     monkeypatch.setattr(panel_cache._HugePageWriter, "write", held)
-    writing_at_warm_up, warm_up = [], cpu_backend.CpuBackend.warm_up
+    writing_at_warm_up, warm_up = [], EngineCore._warm_up
 
-    def timed_start(self, engine) -> None:  # the start-up's timings run with no write beside them
+    def timed_start(self) -> None:  # the start-up's timings run with no write beside them
         writing_at_warm_up.append(any(t.name == "panel-cache-writer" for t in threading.enumerate()))
-        warm_up(self, engine)
+        warm_up(self)
 
-    monkeypatch.setattr(cpu_backend.CpuBackend, "warm_up", timed_start)
+    monkeypatch.setattr(EngineCore, "_warm_up", timed_start)
     llm = LLM(str(small_q4_k_m), max_model_len=256, kv_cache_memory=16 << 20)
     assert writing_at_warm_up == [False]
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -3,10 +3,11 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.backends.start_up import (
+from engine.start_up import (
     MAX_CPU_TOKEN_BUDGET,
     MIN_CPU_TOKEN_BUDGET,
     SHORT_PROBE_TOKENS,
+    burst_room,
     cpu_token_budget,
     fixed_tokens,
     long_probe_tokens,
@@ -74,7 +75,8 @@ def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model
         return runner_execute(sched)
 
     engine.model_runner.execute = spy
-    warm_up_bursts(engine, smallest=128)
+    most, length = burst_room(engine.config.max_num_seqs, engine.kv_cache.num_blocks, 16, engine.max_model_len)
+    warm_up_bursts(engine.serve_made_up_prompts, engine.max_num_batched_tokens, most, length, smallest=128)
     assert steps[:3] == [(512, 4), (256, 2), (3 * 128, 3)]  # the bursts, then the first wave's early three
     num_tokens, num_reqs = steps[3]
     assert num_reqs == 4 and num_tokens > 3  # their decodes beside the rest's prompt tokens
@@ -88,8 +90,8 @@ def test_warm_up_serves_bursts_down_to_the_graphs_and_leaves_no_trace(tiny_model
 
 @pytest.mark.parametrize(("ms_per_token", "long_probes"),
                          [(200.0, False), (20.0, False), (10.0, True), (5.0, True), (1.5, True)])
-def test_only_a_model_too_slow_for_more_than_the_smallest_budget_skips_the_long_probes(tiny_model, monkeypatch,
-                                                                                        ms_per_token, long_probes):
+def test_only_a_model_too_slow_for_more_than_the_smallest_budget_skips_the_long_probes(tiny_model, ms_per_token,
+                                                                                        long_probes):
     """A short step slower per token than SHORT_PROBE_MARGIN x the smallest budget's share of the target step (an 8B
     model on 2 cores: ~150 ms) settles the budget at the smallest; a faster one (the default model: ~2.4 ms at 8
     tokens) is timed with long steps. Step times are made up here: t(n) = n x ms_per_token."""
@@ -100,12 +102,12 @@ def test_only_a_model_too_slow_for_more_than_the_smallest_budget_skips_the_long_
         lengths.append(length)
         return length * ms_per_token / 1000
 
-    monkeypatch.setattr(engine, "serve_made_up_prompts", timed)
-    size_cpu_token_budget(engine)
+    room = probe_room(engine.max_model_len, engine.kv_cache.num_blocks, engine.config.block_size)
+    budget = size_cpu_token_budget(timed, room, engine.config.block_size)
     assert lengths[:2] == [1, SHORT_PROBE_TOKENS]
     assert (max(lengths) > SHORT_PROBE_TOKENS) == long_probes
     if long_probes:
-        assert max(lengths) == long_probe_tokens(ms_per_token / 1000, probe_room(engine))
-    assert engine.max_num_batched_tokens == cpu_token_budget(ms_per_token / 1000)
+        assert max(lengths) == long_probe_tokens(ms_per_token / 1000, room)
+    assert budget.max_num_batched_tokens == cpu_token_budget(ms_per_token / 1000)
     if not long_probes:
-        assert engine.max_num_batched_tokens == MIN_CPU_TOKEN_BUDGET and engine.scheduler.step_fixed_tokens == 0
+        assert budget.max_num_batched_tokens == MIN_CPU_TOKEN_BUDGET and budget.step_fixed_tokens == 0

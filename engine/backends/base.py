@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.backends.start_up import WARM_UP_PROMPT_LEN, size_cpu_token_budget, warm_up_bursts
 from engine.config import EngineConfig
 from engine.kv_cache import available_memory
 from engine.models.linear import dequantize_weights
+from engine.start_up import WARM_UP_PROMPT_LEN
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from engine.engine_core import EngineCore
+    from engine.kv_cache import KVCache
     from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class TorchBackend:
     # ---- what the engine is sized with --------------------------------------------------------------------------
     def max_num_batched_tokens(self, max_model_len: int) -> int:
         """The step's token budget unless the user set one. NOTE: on a CPU a step past ~16 tokens costs 1.5-4 ms per
-        token of a 135M model on the 2-core development machines, so 256 to start with (a CPU backend may resize it
-        once it has timed the machine, ``warm_up``); GPU steps are cheap and launch-bound."""
+        token of a 135M model on the 2-core development machines, so 256 to start with (the engine resizes it once
+        it has timed the machine, ``sizes_token_budget``); GPU steps are cheap and launch-bound."""
         return 256 if self.device.type == "cpu" else max(8192, min(max_model_len, 16384))
 
     def prefill_tokens_per_decode(self) -> float | None:
@@ -110,7 +110,8 @@ class TorchBackend:
         of them."""
         dequantize_weights(model, self.dtype, self.device)
 
-    def bind(self, engine: EngineCore) -> None:
+    def bind(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_batched_tokens: int,
+             max_model_len: int) -> None:
         """Once the KV pool and the step budget exist: anything built over them (captured graphs)."""
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -124,21 +125,24 @@ class TorchBackend:
         caller must compute the logits."""
         return None
 
-    def warm_up(self, engine: EngineCore) -> None:
-        """Before the first request: tune what depends on the machine, compile and load what the first steps need
-        (``start_up.py``): a CPU's step budget, unless the user set one; a GPU's eager kernels."""
-        if self.device.type == "cpu" and self.config.max_num_batched_tokens is None:
-            size_cpu_token_budget(engine)
-        elif self.device.type == "cuda":
-            warm_up_bursts(engine, smallest=min(WARM_UP_PROMPT_LEN, engine.max_model_len - 2))
+    def sizes_token_budget(self) -> bool:
+        """Whether the engine times its step token budget at start-up, unless the user set one
+        (``engine/start_up.py``): on a CPU, where a step's time grows with its tokens."""
+        return self.device.type == "cpu"
+
+    def warm_up_down_to(self, max_model_len: int) -> int | None:
+        """The smallest step the engine's start-up bursts of made-up prompts go down to (``warm_up_bursts``): on a
+        GPU, every eager step size from the budget down to one prompt, whose first run compiles and loads its
+        kernels; None (no bursts) on a CPU, which has none to compile."""
+        return min(WARM_UP_PROMPT_LEN, max_model_len - 2) if self.device.type == "cuda" else None
 
     def after_start_up(self) -> None:
         """In a server's engine process, once warmed up: measure what only an otherwise idle machine shows (the API
         process loads its tokenizer and modules while the engine starts)."""
 
     def started(self) -> None:
-        """Once the engine has started, its start-up timings all taken (``warm_up``, ``after_start_up``): start
-        what runs beside serving, which would have slowed those timings."""
+        """Once the engine has started, its start-up timings all taken (``EngineCore._warm_up``,
+        ``after_start_up``): start what runs beside serving, which would have slowed those timings."""
 
     def weight_holders(self) -> list[object]:
         """What this backend keeps of the weights beside the model's modules (packed copies, C-side tables), for

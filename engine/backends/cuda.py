@@ -18,14 +18,13 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.base import TorchBackend
 from engine.backends.cuda_graphs import CudaGraphs
-from engine.backends.start_up import warm_up_bursts
 from engine.models.llama import MLP, RMSNorm
 from engine.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from engine.engine_core import EngineCore
+    from engine.kv_cache import KVCache
     from engine.models.llama import LlamaForCausalLM
 
 
@@ -99,11 +98,12 @@ class TritonBackend(TorchBackend):
         model.rotary.cos_cache = model.rotary.cos_cache.to(self.dtype)
         model.rotary.sin_cache = model.rotary.sin_cache.to(self.dtype)
 
-    def bind(self, engine: EngineCore) -> None:
+    def bind(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_batched_tokens: int,
+             max_model_len: int) -> None:
         # NOTE: under tensor parallelism the steps run eagerly: a captured graph would hold the ranks' collectives.
         if self.device.type == "cuda" and not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
-            self.graphs = CudaGraphs(engine.model, engine.kv_cache, engine.max_num_batched_tokens,
-                                     self.config.max_num_seqs, engine.max_model_len, self.device)
+            self.graphs = CudaGraphs(model, kv_cache, max_num_batched_tokens, self.config.max_num_seqs,
+                                     max_model_len, self.device)
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -111,11 +111,9 @@ class TritonBackend(TorchBackend):
             return self.graphs.run(input_ids, positions, meta)
         return super().forward(model, input_ids, positions, kv_caches, meta)
 
-    def warm_up(self, engine: EngineCore) -> None:
-        if self.graphs is None:
-            super().warm_up(engine)
-        else:
-            warm_up_bursts(engine, smallest=self.graphs.max_num_tokens)
+    def warm_up_down_to(self, max_model_len: int) -> int | None:
+        """Down to the largest step a graph replays: the smaller ones all replay graphs captured at start."""
+        return super().warm_up_down_to(max_model_len) if self.graphs is None else self.graphs.max_num_tokens
 
     def cuda_graph_bytes(self) -> int:
         return 0 if self.graphs is None else self.graphs.pool_bytes

@@ -1,150 +1,26 @@
 """fp32 CPU kernels in C (``ops.c``; ``amx.c`` its bfloat16 products on AMX tiles; ``decoder.c`` chains them into
 a whole decode step; ``blocks.c`` finds the 4- and 8-bit blocks of weights at load; ``gguf_pack.c`` packs a GGUF
 file's blocks into panels; ``shm_sum.c`` sums a tensor across tensor-parallel ranks), compiled on first use with
-the host's C compiler and loaded with ctypes.
-
-NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
-source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
-compiler exists (slim containers) or ``HARPOON_CPU_KERNELS=0``, ``available()`` is False and callers keep their
-plain-torch path.
+the host's C compiler and loaded with ctypes (``library.py``); this module wraps them for torch tensors.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache
 from pathlib import Path
 
 import torch
 
 from kernels import cdiv, kv_int8
 from kernels.cpu import blocks
+from kernels.cpu.formats import WEIGHT_FORMATS
+from kernels.cpu.library import available, library
 from kernels.cpu.pages import advise_huge_pages, empty_panels
 
-_SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
-_HEADERS = (Path(__file__).with_name("ops.h"),)
-# NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
-# AMD EPYC development machines.
-_FLAGS = ["-O3", "-march=native", *(["-mtune=haswell"] if platform.machine() == "x86_64" else []), "-fopenmp",
-          "-shared", "-fPIC", "-std=gnu11"]
-_c_float, _c_int, _c_i64, _ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-log = logging.getLogger(__name__)
-
-
-def _cpu_id() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    texts = [f.read_text() for f in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, version, _cpu_id(), *_FLAGS)))
-    cache_dir = Path(os.environ.get("HARPOON_CACHE", Path.home() / ".cache" / "harpoon")) / "cpu_kernels"
-    target = cache_dir / f"ops-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        built = Path(tmp) / "ops.so"
-        sources = [str(f) for f in _SOURCES]
-        subprocess.run([compiler, *_FLAGS, *sources, "-o", str(built), "-lm"], check=True, capture_output=True)
-        os.replace(built, target)  # atomic: concurrent builders both end with a whole file
-    return target
-
-
-def find_compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-_SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
-    "hp_pack_weight": [_ptr, _ptr, _c_int, _c_int],
-    "hp_pack_words": [_ptr, _ptr, _c_int, _c_int, _c_int],
-    "hp_q8x_available": [],
-    "hp_q8x_dots": [],
-    "hp_set_q8x_dot": [_c_int],
-    "hp_q8x_tiles_available": [],
-    "hp_set_q8x_tile_rows": [_c_int],
-    "hp_shm_sum": [_ptr, _c_int, _c_int, _c_i64, _ptr, _c_i64, _c_i64, ctypes.c_double],
-    "hp_shm_sum_bytes": [_c_int, _c_i64],
-    "hp_linear": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
-    "hp_linear_i8": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
-    "hp_q8x_rounding_error": [_ptr, _c_i64, _c_int, _c_int, _ptr],
-    "hp_linear_packed": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int, _c_int],
-    "hp_argmax_packed": [_c_int, _ptr, _c_i64, _ptr, _c_int, _c_int, _c_int, _ptr],
-    "hp_screened_argmax": [_ptr, _c_i64, _c_int, _c_int, _ptr, _ptr, _ptr, _c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_paged_decode_attention": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _c_int, _c_int,
-                                  _c_int, _c_int, _c_int, _c_float, _c_int],
-    "hp_rms_norm": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_float],
-    "hp_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_float],
-    "hp_rotary": [_ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int],
-    "hp_silu_mul": [_ptr, _ptr, _c_int, _c_int],
-    "hp_store_kv": [_ptr, _c_i64, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int, _c_int],
-    "hp_embed_rows": [_c_int, _ptr, _c_int, _c_int, _ptr, _c_int, _ptr],
-    "hp_row_norms": [_c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_widen_panels": [_c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_find_blocks": [_c_int, _ptr, _c_i64, _ptr, _ptr, _ptr],
-    "hp_pack_gguf": [_c_int, _ptr, _c_int, _c_int, _c_int, _ptr],
-    "hp_pack_gguf_widened": [_c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_pack_gguf_ksplit": [_c_int, _ptr, _c_int, _c_int, _ptr],
-    "hp_apply_token_bitmask": [_ptr, _c_i64, _ptr, _ptr, _c_int, _c_int, _c_int],
-    "hp_bf16_dots": [],
-    "hp_set_bf16_dot": [_c_int],
-    "hp_f32_bodies": [],
-    "hp_set_f32_body": [_c_int],
-}
-_RESULTS = {"hp_argmax_packed": _c_int, "hp_q8x_available": _c_int, "hp_q8x_dots": _c_int, "hp_set_q8x_dot": _c_int,
-            "hp_q8x_tiles_available": _c_int, "hp_set_q8x_tile_rows": _c_int,
-            "hp_embed_rows": _c_int, "hp_row_norms": _c_int, "hp_widen_panels": _c_int,
-            "hp_find_blocks": _c_int, "hp_bf16_dots": _c_int, "hp_set_bf16_dot": _c_int, "hp_f32_bodies": _c_int,
-            "hp_set_f32_body": _c_int,
-            "hp_shm_sum": _c_int, "hp_shm_sum_bytes": _c_i64,
-            "hp_pack_gguf": _c_i64, "hp_pack_gguf_widened": _c_i64,
-            "hp_pack_gguf_ksplit": _c_i64}
-
-
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Sets the signatures of the kernels a build of ops.c exports (an older revision's build may lack some)."""
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = argtypes, _RESULTS.get(name)
-    return lib
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("HARPOON_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = find_compiler()
-    if compiler is None:
-        log.warning("no C compiler found: CPU kernels disabled, using the slower torch path")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("building the CPU kernels failed, using the slower torch path: %s %s", e, detail.decode()[-500:])
-        return None
-    return declare(lib)
-
-
-def available() -> bool:
-    return _library() is not None
-
+__all__ = ["WEIGHT_FORMATS", "available", "library"]  # and the wrappers below
 
 def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     if t.dtype != dtype or not t.is_cpu:
@@ -160,12 +36,12 @@ def _check_tokens(t: torch.Tensor, name: str) -> None:
 
 def panel_width() -> int:
     """Output columns per panel (NR in ops.c)."""
-    return _library().hp_panel_width()
+    return library().hp_panel_width()
 
 
 def register_rows() -> int:
     """The most rows a product over compact panels computes without widening them into fp32 first (MRF in ops.c)."""
-    return _library().hp_register_rows()
+    return library().hp_register_rows()
 
 
 def panel_layout() -> str:
@@ -175,7 +51,7 @@ def panel_layout() -> str:
     panels from the same weights."""
     code = hashlib.sha256(Path(blocks.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
     switches = "".join(str(int(on())) for on in (blocks.q4_enabled, blocks.q8_enabled, bf16_panels_enabled))
-    return f"{Path(_library()._name).stem}-{code}-{switches}"
+    return f"{Path(library()._name).stem}-{code}-{switches}"
 
 
 def bf16_panels_enabled() -> bool:
@@ -187,26 +63,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     _check(weight, torch.float32, "weight")
     weight = weight.contiguous()
     n, k = weight.shape
-    panel = _library().hp_panel_width()
+    panel = library().hp_panel_width()
     packed = empty_panels(cdiv(n, panel), k, panel, dtype=torch.float32)
-    _library().hp_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
+    library().hp_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
-# enum hp_weight_format (ops.h) of each packed dtype: fp32, Q4 (bytes), BF16 and Q8 (signed bytes) panels, BF16C
-# panels (int16: the BF16 layout, computed in bfloat16), the byte blocks Q5 and Q6M, and the K-quant panels Q4K, Q5K
-# and Q6K, and BF16A panels (BF16C 32 columns wide, for AMX); Q4A, Q6A and Q8A panels (a GGUF file's blocks for
-# AMX in bfloat16) and Q4S, Q6S, Q8S (their bytes, on AMX in fp32), and Q4KS, Q6KS (Q4S's and Q6S's products, a
-# K-quant's scales kept).
-# The last five of the blocks are bytes viewed as
-# int32, float64, uint16, uint32 and uint64 (blocks.BYTE_BLOCK_DTYPES, blocks.K_QUANT_DTYPES), BF16A's bfloat16
-# pairs as float16, the widened panels as 8-bit float types, Q4KS and Q6KS as bits4x2 and bits8: dtypes that only
-# name the format here.
-WEIGHT_FORMATS = {torch.float32: 0, torch.uint8: 2, torch.bfloat16: 3, torch.int8: 4, torch.int16: 5, torch.int32: 6,
-                  torch.float64: 8, torch.uint16: 9, torch.uint32: 10, torch.uint64: 11, torch.float16: 12,
-                  torch.float8_e4m3fn: 13, torch.float8_e5m2: 14, torch.float8_e4m3fnuz: 15,
-                  torch.float8_e5m2fnuz: 16, torch.float4_e2m1fn_x2: 17, torch.float8_e8m0fnu: 18, torch.bits4x2: 19,
-                  torch.bits8: 20}
 FORMAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int16: "BF16C", torch.float16: "BF16A",
                 torch.float8_e4m3fn: "Q4A", torch.float8_e5m2: "Q6A", torch.float8_e4m3fnuz: "Q8A",
                 torch.float8_e5m2fnuz: "Q4S", torch.float4_e2m1fn_x2: "Q6S", torch.float8_e8m0fnu: "Q8S",
@@ -237,7 +99,7 @@ def pack_weight_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [N, K] as Q4 panels (uint8) where its values are 4-bit blocks, as Q8 panels (int8) where they
     are 8-bit blocks (``blocks.py``), else None."""
     _check(weight, torch.float32, "weight")
-    width = _library().hp_panel_width()
+    width = library().hp_panel_width()
     packed = blocks.pack_weight_q4(weight, width) if blocks.q4_enabled() else None
     if packed is None and blocks.q8_enabled():
         packed = blocks.pack_weight_q8(weight, width)
@@ -284,7 +146,7 @@ def pack_gguf_rows(ggml_type: int, rows: torch.Tensor, in_features: int,
         out = empty_panels(*shape, dtype=dtype)
     elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of {shape}")
-    written = _library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
+    written = library().hp_pack_gguf(ggml_type, rows.data_ptr(), n, in_features, width, out.data_ptr())
     if written != out.numel() * dtype.itemsize:
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel() * dtype.itemsize}")
     return out
@@ -308,7 +170,7 @@ def pack_gguf_widened(ggml_type: int, rows: torch.Tensor, in_features: int) -> t
     rows = rows.to(torch.int64).contiguous()
     out = empty_panels(cdiv(rows.shape[0], BF16A_WIDTH), in_features // blocks.GROUP,
                               2 * WIDENED_TILE_BYTES[dtype], dtype=dtype)
-    written = _library().hp_pack_gguf_widened(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
+    written = library().hp_pack_gguf_widened(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")
     return out
@@ -343,7 +205,7 @@ def pack_gguf_ksplit(ggml_type: int, rows: torch.Tensor, in_features: int,
     elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {FORMAT_NAMES[dtype]} tensor of {shape}")
     out = out.view(torch.uint8)
-    written = _library().hp_pack_gguf_ksplit(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
+    written = library().hp_pack_gguf_ksplit(ggml_type, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr())
     if written != out.numel():
         raise ValueError(f"ggml type {ggml_type}: packed {written} bytes, expected {out.numel()}")
     return out.view(dtype)
@@ -364,7 +226,7 @@ def pack_weight_compact(weight: torch.Tensor) -> torch.Tensor:
         # the bf16 values, bit for bit (the low halves are zero), each two consecutive k of a column side by side,
         # as ops.c reads them; packed straight, with no fp32 panels first (a first start's arena keeps what it
         # hands out: pages.py's PanelArena)
-        return _bf16_pairs(weight, _library().hp_panel_width(), torch.bfloat16)
+        return _bf16_pairs(weight, library().hp_panel_width(), torch.bfloat16)
     return pack_weight(weight)
 
 
@@ -375,7 +237,7 @@ def pack_weight_bf16c(weight: torch.Tensor) -> torch.Tensor:
     a bfloat16 weight never has an fp32 copy."""
     if weight.shape[1] % 2:
         raise ValueError(f"BF16C panels need an even in_features, got {weight.shape[1]}")
-    return _bf16_pairs(weight, _library().hp_panel_width(), torch.int16)
+    return _bf16_pairs(weight, library().hp_panel_width(), torch.int16)
 
 
 BF16A_WIDTH = 32  # ops.h: HP_BF16A_WIDTH
@@ -495,7 +357,7 @@ def _bf16_pairs(weight: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
     n, k = weight.shape
     bits = weight.to(torch.bfloat16).contiguous()
     out = empty_panels(cdiv(n, width), k // 2, width, 2, dtype=torch.int16)
-    _library().hp_pack_words(bits.data_ptr(), out.data_ptr(), n, k // 2, width)
+    library().hp_pack_words(bits.data_ptr(), out.data_ptr(), n, k // 2, width)
     return out.view(-1, k, width).view(dtype)
 
 
@@ -520,13 +382,13 @@ def _set_body(set_code: Callable[[int], int], codes: dict[str, int], name: str, 
 def bf16_dots() -> list[str]:
     """The bodies this build and CPU can compute BF16C panels with: the portable FMAs always; avx512_bf16's dot
     product (the same bits) and AMX tiles (their own bits) where present."""
-    return _bodies(_library().hp_bf16_dots(), BF16_DOTS)
+    return _bodies(library().hp_bf16_dots(), BF16_DOTS)
 
 
 def set_bf16_dot(name: str) -> str:
     """Which of ``bf16_dots()`` computes BF16C panels from now on, in every thread (the backend times them at
     start; one body for all products, so a row's bits do not depend on the batch). Returns the body before."""
-    return _set_body(_library().hp_set_bf16_dot, BF16_DOTS, name, "bfloat16 body", bf16_dots)
+    return _set_body(library().hp_set_bf16_dot, BF16_DOTS, name, "bfloat16 body", bf16_dots)
 
 
 @contextmanager
@@ -546,13 +408,13 @@ def f32_bodies() -> list[str]:
     """The bodies this build has for fp32 products of 5 rows and more, all with the same bits: each 24-column panel
     on its own (one 16-lane and one 8-lane FMA a row and k) and, where built for AVX-512, whole panels two at a
     time (three 16-lane FMAs)."""
-    return _bodies(_library().hp_f32_bodies(), F32_BODIES)
+    return _bodies(library().hp_f32_bodies(), F32_BODIES)
 
 
 def set_f32_body(name: str) -> str:
     """Which of ``f32_bodies()`` computes fp32 products from now on, in every thread (the backend times them at
     start). Returns the body before."""
-    return _set_body(_library().hp_set_f32_body, F32_BODIES, name, "fp32 body", f32_bodies)
+    return _set_body(library().hp_set_f32_body, F32_BODIES, name, "fp32 body", f32_bodies)
 
 
 def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
@@ -591,7 +453,7 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
 def q8x_available() -> bool:
     """Whether this CPU multiplies block panels with int8 activations (``linear(..., int8_activations=True)``): it
     has integer dot products (AVX512-VNNI or AVX-VNNI, or AVX2's maddubs)."""
-    return bool(_library().hp_q8x_available())
+    return bool(library().hp_q8x_available())
 
 
 Q8X_DOTS = {"vnni": 1, "maddubs": 2}  # ops.c: the integer dot products the int8-activation products can use
@@ -599,26 +461,26 @@ Q8X_DOTS = {"vnni": 1, "maddubs": 2}  # ops.c: the integer dot products the int8
 
 def q8x_dots() -> list[str]:
     """The integer dot products this build has for int8-activation products (``Q8X_DOTS``)."""
-    found = _library().hp_q8x_dots()
+    found = library().hp_q8x_dots()
     return [name for name, bit in Q8X_DOTS.items() if found & bit]
 
 
 def set_q8x_dot(name: str) -> None:
     """Which of ``q8x_dots()`` the int8-activation products use from now on (the backend times them at start)."""
-    if _library().hp_set_q8x_dot(Q8X_DOTS.get(name, 0)):
+    if library().hp_set_q8x_dot(Q8X_DOTS.get(name, 0)):
         raise ValueError(f"this build has no {name!r} dot product (it has {q8x_dots()})")
 
 
 def q8x_tiles_available() -> bool:
     """Whether AMX tiles can take the int8-activation products (this build and CPU have AMX-INT8, and the kernel
     lets the process use the tiles): the same bits as the dot products, 16 rows a tile op."""
-    return bool(_library().hp_q8x_tiles_available())
+    return bool(library().hp_q8x_tiles_available())
 
 
 def set_q8x_tile_rows(rows: int) -> None:
     """From how many rows on AMX tiles take the int8-activation products from now on (0: never; the backend
     times them at start)."""
-    if _library().hp_set_q8x_tile_rows(rows):
+    if library().hp_set_q8x_tile_rows(rows):
         raise ValueError(f"no AMX tiles for the int8 products here (rows={rows})")
 
 
@@ -648,7 +510,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     b = 0 if bias is None else bias.contiguous().data_ptr()
     if m:
         fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0)
-        _library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
+        library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
                                     m, out_features, k)
     return y
 
@@ -659,7 +521,7 @@ def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
     ids = torch.empty(m, dtype=torch.int64)
-    found = _library().hp_argmax_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
+    found = library().hp_argmax_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
                                         m, out_features, k, ids.data_ptr())
     return ids if found == 0 else None
 
@@ -671,7 +533,7 @@ def embed_rows(packed: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.
     in_features = _inputs_of_rows(packed, num_rows)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
-    bad = _library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
+    bad = library().hp_embed_rows(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
                                    ids.data_ptr(), ids.shape[0], out.data_ptr())
     if bad >= 0:
         raise IndexError(f"token id {int(ids[bad])} is out of range for an embedding of {num_rows} rows")
@@ -692,7 +554,7 @@ def row_norms(packed: torch.Tensor, num_rows: int) -> torch.Tensor:
     needs every row's norm, ``engine/backends/greedy_head.py``)."""
     in_features = _inputs_of_rows(packed, num_rows)
     out = torch.empty(num_rows, dtype=torch.float64)
-    if _library().hp_row_norms(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
+    if library().hp_row_norms(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), num_rows, in_features,
                                out.data_ptr()):
         raise ValueError(f"row norms do not read {FORMAT_NAMES.get(packed.dtype, packed.dtype)} panels")
     return out
@@ -705,7 +567,7 @@ def widen_panels(packed: torch.Tensor) -> torch.Tensor:
     in_features, columns = packed_geometry(packed)
     out = torch.empty(columns // panel_width(), in_features, panel_width(), dtype=torch.float32)
     advise_huge_pages(out.data_ptr(), out.nbytes)
-    if _library().hp_widen_panels(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), columns, in_features,
+    if library().hp_widen_panels(WEIGHT_FORMATS[packed.dtype], packed.data_ptr(), columns, in_features,
                                   out.data_ptr()):
         name = FORMAT_NAMES.get(packed.dtype, packed.dtype)
         raise ValueError(f"widen_panels takes compact panels (BF16 or blocks), not {name}")
@@ -720,7 +582,7 @@ def pack_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     if k % 4:
         raise ValueError(f"int8 panels need in_features divisible by 4, got {k}")
-    panel = _library().hp_panel_width()
+    panel = library().hp_panel_width()
     padded = cdiv(n, panel) * panel
     scales = torch.zeros(padded, dtype=torch.float32)
     scales[:n] = weight.abs().amax(dim=1) / 127
@@ -744,7 +606,7 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
         raise ValueError(f"int8 weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
-        _library().hp_linear_i8(
+        library().hp_linear_i8(
             x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), out_features, m,
             out_features, k,
         )
@@ -760,7 +622,7 @@ def q8x_rounding_error(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"q8x_rounding_error: K = {k} is not a multiple of 32")
     err = torch.empty(m, dtype=torch.float64)
     if m:
-        _library().hp_q8x_rounding_error(x.data_ptr(), x.stride(0), m, k, err.data_ptr())
+        library().hp_q8x_rounding_error(x.data_ptr(), x.stride(0), m, k, err.data_ptr())
     return err
 
 
@@ -788,7 +650,7 @@ def screened_argmax(
     if row_scale is not None:
         _check(row_scale, torch.float64, "row_scale")
     tokens = torch.empty(m, dtype=torch.int64)
-    _library().hp_screened_argmax(hidden.data_ptr(), hidden.stride(0), m, k, approx.data_ptr(), error.data_ptr(),
+    library().hp_screened_argmax(hidden.data_ptr(), hidden.stride(0), m, k, approx.data_ptr(), error.data_ptr(),
                                   None if row_scale is None else row_scale.data_ptr(), WEIGHT_FORMATS[packed.dtype],
                                   packed.data_ptr(), n, max_candidates, tokens.data_ptr())
     return tokens
@@ -816,7 +678,7 @@ def paged_decode_attention(
         raise ValueError("block_tables rows must be contiguous")
     if head_dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
-    _library().hp_paged_decode_attention(
+    library().hp_paged_decode_attention(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -846,7 +708,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` [..., D] into a new contiguous tensor."""
     rows = _rows(x.reshape(-1, x.shape[-1]), "x")
     out = torch.empty(x.shape, dtype=torch.float32)
-    _library().hp_rms_norm(
+    library().hp_rms_norm(
         rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps
     )
     return out
@@ -857,7 +719,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("add_rms_norm needs contiguous x and residual")
     out = torch.empty(x.shape, dtype=torch.float32)
-    _library().hp_add_rms_norm(
+    library().hp_add_rms_norm(
         x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps
     )
     return out
@@ -868,14 +730,14 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     _check_tokens(x, "x")
     t, heads, head_dim = x.shape
     _check(positions, torch.int64, "positions")
-    _library().hp_rotary(
+    library().hp_rotary(
         x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim
     )
 
 
 def shm_sum_bytes(ranks: int, slot: int) -> int:
     """The shared segment ``shm_sum`` needs for ``ranks`` ranks summing up to ``slot`` floats a call."""
-    return _library().hp_shm_sum_bytes(ranks, slot)
+    return library().hp_shm_sum_bytes(ranks, slot)
 
 
 def shm_sum(base: int, rank: int, ranks: int, slot: int, x: torch.Tensor, generation: int, timeout_s: float) -> bool:
@@ -883,7 +745,7 @@ def shm_sum(base: int, rank: int, ranks: int, slot: int, x: torch.Tensor, genera
     address ``base`` (``shm_sum.c``); False if a rank had not arrived within ``timeout_s`` (call again to go on
     waiting)."""
     _check(x, torch.float32, "x")
-    return _library().hp_shm_sum(base, rank, ranks, slot, x.data_ptr(), x.numel(), generation, timeout_s) == 0
+    return library().hp_shm_sum(base, rank, ranks, slot, x.data_ptr(), x.numel(), generation, timeout_s) == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -891,7 +753,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    _library().hp_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
+    library().hp_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
     return out
 
 
@@ -908,7 +770,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < batch:
         raise ValueError(f"apply_token_bitmask: rows out of range [0, {batch})")
     rows, bitmask = rows.contiguous(), bitmask.contiguous()
-    _library().hp_apply_token_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), bitmask.data_ptr(),
+    library().hp_apply_token_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), bitmask.data_ptr(),
                                       rows.numel(), bitmask.shape[1], vocab)
 
 
@@ -921,7 +783,7 @@ def store_kv(
     t, heads, head_dim = k.shape
     _check(slot_mapping, torch.int64, "slot_mapping")
     fmt = kv_format(k_cache, v_cache, head_dim)
-    _library().hp_store_kv(
+    library().hp_store_kv(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),

@@ -25,6 +25,8 @@ import os
 import torch
 
 from kernels import cdiv
+from kernels.cpu.formats import WEIGHT_FORMATS
+from kernels.cpu.library import library
 
 GROUP = 32  # inputs per block: Q4_GROUP and Q8_GROUP in ops.c, as GGUF's
 
@@ -67,12 +69,10 @@ def _find(weight: torch.Tensor, q_dtype: torch.dtype) -> Blocks | None:
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % GROUP or not n:
         return None
-    from kernels.cpu import WEIGHT_FORMATS, _library  # blocks.py is imported by the package that builds the library
-
     weight = weight.contiguous()
     d, m = torch.empty(n, k // GROUP), torch.empty(n, k // GROUP)
     q = torch.empty(n, k // GROUP, GROUP, dtype=q_dtype)
-    if _library().hp_find_blocks(WEIGHT_FORMATS[q_dtype], weight.data_ptr(), n * k // GROUP, d.data_ptr(),
+    if library().hp_find_blocks(WEIGHT_FORMATS[q_dtype], weight.data_ptr(), n * k // GROUP, d.data_ptr(),
                                  m.data_ptr(), q.data_ptr()):
         return None
     return (d, m, q) if q_dtype == torch.uint8 else (d, q)

@@ -14,18 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from kernels import kv_int8
-from kernels.cpu import (
-    HP_Q8X,
-    WEIGHT_FORMATS,
-    _c_float,
-    _c_i64,
-    _c_int,
-    _check,
-    _library,
-    _ptr,
-    kv_format,
-    packed_geometry,
-)
+from kernels.cpu import HP_Q8X, WEIGHT_FORMATS, _check, kv_format, packed_geometry
+from kernels.cpu.library import c_float, c_i64, c_int, library, ptr
 
 
 @dataclass
@@ -69,30 +59,30 @@ class DecoderShape:
 
 
 class _LayerStruct(ctypes.Structure):  # struct hp_layer
-    _fields_ = [(f.name, _ptr) for f in fields(LayerWeights) if f.name not in _ROWS] + [
-        ("k_cache", _ptr), ("v_cache", _ptr)] + [(f"{name}_format", _c_int) for name in _PACKED] + [
-        (name, _c_int) for name in _ROWS]
+    _fields_ = [(f.name, ptr) for f in fields(LayerWeights) if f.name not in _ROWS] + [
+        ("k_cache", ptr), ("v_cache", ptr)] + [(f"{name}_format", c_int) for name in _PACKED] + [
+        (name, c_int) for name in _ROWS]
 
 
 class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
     _fields_ = [
-        *((name, _c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+        *((name, c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                       "intermediate", "block_size", "kv_format")),
-        ("eps", _c_float),
-        ("scale", _c_float),
-        ("cos_cache", _ptr),
-        ("sin_cache", _ptr),
-        ("final_norm", _ptr),
+        ("eps", c_float),
+        ("scale", c_float),
+        ("cos_cache", ptr),
+        ("sin_cache", ptr),
+        ("final_norm", ptr),
         ("layers", ctypes.POINTER(_LayerStruct)),
     ]
 
 
 def _library_with_decoder() -> ctypes.CDLL:
-    lib = _library()
+    lib = library()
     lib.hp_decode_scratch.argtypes = [ctypes.POINTER(_DecoderStruct)]
-    lib.hp_decode_scratch.restype = _c_i64
-    lib.hp_decode_forward.argtypes = [ctypes.POINTER(_DecoderStruct), _ptr, _ptr, _c_int, _ptr, _ptr, _ptr, _c_i64,
-                                      _ptr, _ptr]
+    lib.hp_decode_scratch.restype = c_i64
+    lib.hp_decode_forward.argtypes = [ctypes.POINTER(_DecoderStruct), ptr, ptr, c_int, ptr, ptr, ptr, c_i64,
+                                      ptr, ptr]
     lib.hp_decode_forward.restype = None
     return lib
 

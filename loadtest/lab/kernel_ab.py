@@ -56,9 +56,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kernels import cdiv, kv_int8
 from kernels.cpu import (
-    _FLAGS,
-    _HEADERS,
-    _SOURCES,
     BF16_DOTS,
     BF16A_WIDTH,
     GGUF_KSPLIT_DTYPES,
@@ -66,15 +63,14 @@ from kernels.cpu import (
     KSPLIT_SUPER_BYTES,
     KV_FORMATS,
     WEIGHT_FORMATS,
-    _build,
     as_split,
-    declare,
-    find_compiler,
     pack_weight_bf16a,
     pack_weight_compact,
     pack_weight_q4a,
 )
 from kernels.cpu.blocks import GGUF_PANEL_DTYPES, SUPER
+from kernels.cpu.library import FLAGS, HEADERS, SOURCES, declare, find_compiler
+from kernels.cpu.library import build as build_library
 from loadtest.lab.compact_gemm import GRIDS
 from loadtest.models import random_blocks
 
@@ -105,10 +101,10 @@ class Shapes:
 def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     rev, _, flags = variant.partition(" ")
     if rev == "WORKTREE" and not flags.strip():  # the engine's own build of these files, cached by source and CPU
-        return declare(ctypes.CDLL(str(_build(find_compiler() or "cc"))))
+        return declare(ctypes.CDLL(str(build_library(find_compiler() or "cc"))))
     src = out_dir / f"src{len(list(out_dir.iterdir()))}"
     src.mkdir()
-    for path in (*_SOURCES, *_HEADERS):
+    for path in (*SOURCES, *HEADERS):
         rel = path.relative_to(_ROOT).as_posix()
         if rev == "WORKTREE":
             text = path.read_text()
@@ -119,8 +115,8 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
             text = shown.stdout
         (src / path.name).write_text(text)
     lib = src / "ops.so"
-    sources = [str(src / p.name) for p in _SOURCES if (src / p.name).exists()]
-    subprocess.run([find_compiler() or "cc", *_FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
+    sources = [str(src / p.name) for p in SOURCES if (src / p.name).exists()]
+    subprocess.run([find_compiler() or "cc", *FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
     return declare(ctypes.CDLL(str(lib)))
 
 

@@ -1,5 +1,9 @@
 """What an engine tunes and warms up before its first request, by serving made-up prompts through itself.
 
+The engine runs these (``EngineCore._warm_up``); the backend only answers what it needs
+(``TorchBackend.sizes_token_budget``, ``TorchBackend.warm_up_down_to``). Each function takes the engine's
+``serve_made_up_prompts`` and the numbers it sizes from, and returns what it found: it never reaches into the engine.
+
 - On a CPU, the step's token budget is sized to the machine (``size_cpu_token_budget``). Past a few dozen tokens a
   step is compute-bound, so its time is close to tokens x the cost of one, and it is the gap every running stream
   waits between two tokens. Instances of one machine kind differ 2x in that cost.
@@ -13,12 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from kernels import cdiv
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +65,35 @@ def fixed_tokens(one: float, many: float, n: int) -> float:
     return max(0.0, (one - per_token) / per_token) if per_token > 0 else 0.0
 
 
-def probe_room(engine: EngineCore) -> int:
+class MadeUpPrompts(Protocol):
+    """``EngineCore.serve_made_up_prompts``: serve made-up prompts to their first token; the seconds it took."""
+
+    def __call__(self, key: int, num_prompts: int, length: int, sampled: bool = False,
+                 num_early: int = 0) -> float: ...
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """A CPU step's token budget as start-up timed it, and a step's fixed cost in tokens' worth
+    (``Scheduler.step_fixed_tokens``)."""
+
+    max_num_batched_tokens: int
+    step_fixed_tokens: float
+
+
+def probe_room(max_model_len: int, num_blocks: int, block_size: int) -> int:
     """The longest probe the context and the pool hold, up to BUDGET_PROBE_TOKENS."""
-    pool = (engine.kv_cache.num_blocks - 1) * engine.config.block_size
-    return min(BUDGET_PROBE_TOKENS, engine.max_model_len - 1, pool)
+    return min(BUDGET_PROBE_TOKENS, max_model_len - 1, (num_blocks - 1) * block_size)
 
 
-def size_cpu_token_budget(engine: EngineCore) -> None:
-    """Time a few prefill steps, then fix the budget so a full step takes about CPU_STEP_TARGET_S, and tell the
-    scheduler a step's fixed cost (``Scheduler.prefill_budget``). Measured once: from then on the scheduling is
-    deterministic (max_num_batched_tokens and prefill_tokens_per_decode fix it across machines too)."""
-    block_size = engine.config.block_size
-    n = probe_room(engine)
+def size_cpu_token_budget(serve: MadeUpPrompts, room: int, block_size: int) -> TokenBudget | None:
+    """Time a few prefill steps (none longer than ``room`` tokens), then the budget so a full step takes about
+    CPU_STEP_TARGET_S, and a step's fixed cost (``Scheduler.prefill_budget``); None where a toy pool or context
+    leaves no room to time in. Measured once: from then on the scheduling is deterministic (max_num_batched_tokens
+    and prefill_tokens_per_decode fix it across machines too)."""
+    n = room
     if n < MIN_CPU_TOKEN_BUDGET // 2:
-        return  # a toy pool or context: keep the default
+        return None
     # The first step pays one-off costs (page faults, thread start-up); the fastest of the rest is the machine's
     # speed, the others caught it busy with something else. A one-token step pays them as well as a longer one: the
     # 32-token steps after it took the same time as later ones (default model and an 8B Q4_K_M), and on the 8B it
@@ -84,37 +101,40 @@ def size_cpu_token_budget(engine: EngineCore) -> None:
     # The fixed cost is timed only where the long probes run: where even short steps show the smallest budget (a
     # large model), a step is far from its fixed cost (the 8B: ~5 tokens' worth) and two more probes would cost
     # ~0.5 s of its start.
-    engine.serve_made_up_prompts(BUDGET_PROBES, 1, 1)
-    short = engine.serve_made_up_prompts(BUDGET_PROBES + 1, 1, SHORT_PROBE_TOKENS) / SHORT_PROBE_TOKENS
+    serve(BUDGET_PROBES, 1, 1)
+    short = serve(BUDGET_PROBES + 1, 1, SHORT_PROBE_TOKENS) / SHORT_PROBE_TOKENS
     fixed = 0.0
     if short >= SHORT_PROBE_MARGIN * CPU_STEP_TARGET_S / MIN_CPU_TOKEN_BUDGET:
         n, per_token = SHORT_PROBE_TOKENS, short
     else:
         n = long_probe_tokens(short, n, block_size)
-        timings = [engine.serve_made_up_prompts(i, 1, n) for i in range(BUDGET_PROBES)]
+        timings = [serve(i, 1, n) for i in range(BUDGET_PROBES)]
         per_token = min(timings[1:]) / n
-        one = min(engine.serve_made_up_prompts(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
+        one = min(serve(BUDGET_PROBES + 2 + i, 1, 1) for i in range(2))
         fixed = fixed_tokens(one, per_token * n, n)
     budget = cpu_token_budget(per_token, block_size)
-    engine.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens = budget
-    engine.scheduler.step_fixed_tokens = fixed
     logger.info("token budget %d per step (a prefill step of %d tokens took %.1f ms: %.2f ms per token); a step's "
                 "fixed cost %.1f tokens' worth", budget, n, per_token * n * 1000, per_token * 1000, fixed)
+    return TokenBudget(budget, fixed)
 
 
-def warm_up_bursts(engine: EngineCore, smallest: int) -> None:
-    """Bursts of the whole token budget, then half of it and so on down to ``smallest`` tokens (the largest step a
-    graph replays), each prompt WARM_UP_PROMPT_LEN tokens; the first prompt of each is sampled. A last burst comes
-    as a first wave of users does, a few prompts a step ahead of the rest, so its second step mixes their decodes
-    into the prompts."""
+def burst_room(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, int]:
+    """(the most prompts a warm-up burst holds, their length): WARM_UP_PROMPT_LEN tokens, or what the context holds,
+    as many as the pool holds at once (a block to spare) up to ``max_num_seqs``."""
+    length = min(WARM_UP_PROMPT_LEN, max_model_len - 2)
+    return min(max_num_seqs, num_blocks // cdiv(length + 2, block_size) - 1), length
+
+
+def warm_up_bursts(serve: MadeUpPrompts, budget: int, most: int, length: int, smallest: int) -> None:
+    """Bursts of the whole token ``budget``, then half of it and so on down to ``smallest`` tokens (the largest step
+    a graph replays), each prompt ``length`` tokens and at most ``most`` prompts a burst; the first prompt of each is
+    sampled. A last burst comes as a first wave of users does, a few prompts a step ahead of the rest, so its second
+    step mixes their decodes into the prompts."""
     started = time.monotonic()
-    length = min(WARM_UP_PROMPT_LEN, engine.max_model_len - 2)
-    most = min(engine.config.max_num_seqs, engine.kv_cache.num_blocks // cdiv(length + 2, engine.config.block_size) - 1)
-    tokens, bursts = engine.max_num_batched_tokens, 0
+    tokens, bursts = budget, 0
     while tokens > smallest and most > WARM_UP_EARLY_PROMPTS:
-        engine.serve_made_up_prompts(bursts, min(most, max(1, tokens // length)), length, sampled=True)
+        serve(bursts, min(most, max(1, tokens // length)), length, sampled=True)
         tokens, bursts = tokens // 2, bursts + 1
     if bursts:
-        num_prompts = min(most, engine.max_num_batched_tokens // length + WARM_UP_EARLY_PROMPTS)
-        engine.serve_made_up_prompts(bursts, num_prompts, length, num_early=WARM_UP_EARLY_PROMPTS)
+        serve(bursts, min(most, budget // length + WARM_UP_EARLY_PROMPTS), length, num_early=WARM_UP_EARLY_PROMPTS)
         logger.info("warmed up with %d bursts of prompts in %.1f s", bursts + 1, time.monotonic() - started)
