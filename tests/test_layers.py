@@ -4,6 +4,7 @@ neither the model nor the kernels."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,52 @@ def test_the_checker_finds_cycles_of_any_length_and_imports_anywhere(tmp_path):
     (tmp_path / "engine" / "backend.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.core import Core\n")
     assert cycles(import_graph(tmp_path)) == [["engine.backend", "engine.core"]]
+
+
+MAX_PYTHON_LINES, MAX_C_LINES = 600, 1000
+KERNELS_C = ROOT / "kernels" / "cpu"
+
+
+def test_no_file_outgrows_its_reader():
+    """No Python module outside tests/ over MAX_PYTHON_LINES lines, no C file over MAX_C_LINES: a file a newcomer
+    can read whole, split by job before it grows past that."""
+    limits = [(p, MAX_PYTHON_LINES) for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    limits += [(p, MAX_C_LINES) for p in (*KERNELS_C.rglob("*.c"), *KERNELS_C.rglob("*.h"))]
+    too_long = [f"{p.relative_to(ROOT)}: {n}" for p, most in limits if (n := len(p.read_text().splitlines())) > most]
+    assert too_long == []
+
+
+ISA_MACROS = re.compile(r"^\s*#\s*(?:if|ifdef|ifndef|elif)\b.*\b__(?:AVX|AMX|F16C|FMA|SSE|x86_64|i386|aarch64|ARM)")
+
+
+def test_instruction_set_tests_live_under_arch():
+    """The C kernels test the instruction set only under kernels/cpu/arch/ (arch/simd.h's constants and the files
+    named for one ISA); every other file reads those constants with a plain ``if``."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in (*KERNELS_C.rglob("*.c"), *KERNELS_C.rglob("*.h"))
+             if "arch" not in p.relative_to(KERNELS_C).parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if ISA_MACROS.match(line)]
+    assert found == []
+
+
+C_DEFINITION = re.compile(r"^[a-z][\w \*]*?\b(hp_\w+)\(", re.M)
+C_CALL = re.compile(r"\b(hp_\w+)\(")
+
+
+def c_call_graph(root: Path = KERNELS_C) -> dict[str, list[str]]:
+    """Each C file under ``root`` and the files whose exported functions (``hp_*``, defined at the start of a line)
+    it calls."""
+    files = sorted(root.rglob("*.c"))
+    defined_in = {name: f.relative_to(root).as_posix() for f in files for name in C_DEFINITION.findall(f.read_text())}
+    graph = {}
+    for f in files:
+        here, text = f.relative_to(root).as_posix(), f.read_text()
+        calls = {defined_in[name] for name in C_CALL.findall(text) if name in defined_in}
+        graph[here] = sorted(calls - {here})
+    return graph
+
+
+def test_no_call_cycle_between_c_files():
+    """The C files call one way (decoder.c -> linear.c -> linear_q8x.c -> arch/x86/amx_int8.c ...): none calls back
+    into a file that calls it."""
+    graph = c_call_graph()
+    assert "linear.c" in graph["decoder.c"] and cycles(graph) == []

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #define GROUP 32      /* inputs per block: Q4_GROUP and Q8_GROUP in ops.c, as GGUF's */
 #define SCALE_BITS 17 /* significant bits of an fp16 times a 6-bit integer: a K-quant sub-block's scale or min */

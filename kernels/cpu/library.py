@@ -1,4 +1,5 @@
-"""Builds and loads the C kernels (``ops.c`` and the files beside it) for this CPU, and declares their signatures.
+"""Builds and loads the C kernels (every ``.c`` file here and under ``arch/``) for this CPU, and declares their
+signatures.
 
 NOTE: the library is built with ``-march=native`` and cached under ``~/.cache/harpoon/cpu_kernels`` keyed by the
 source, the compiler and the CPU's flags, so a copied cache never runs on a CPU it was not built for. Where no C
@@ -16,16 +17,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("ops.c", "amx.c", "decoder.c", "blocks.c", "gguf_pack.c", "shm_sum.c"))
-HEADERS = (Path(__file__).with_name("ops.h"),)
+ROOT = Path(__file__).parent
 # NOTE: -mtune=haswell schedules the AVX2 micro-kernel ~5-8% faster than the znver1 tuning -march=native picks on the
 # AMD EPYC development machines.
 FLAGS = ["-O3", "-march=native", *(["-mtune=haswell"] if platform.machine() == "x86_64" else []), "-fopenmp",
-          "-shared", "-fPIC", "-std=gnu11"]
+         "-fPIC", "-std=gnu11"]
 c_float, c_int, c_i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,36 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def sources(root: Path = ROOT) -> list[Path]:
+    """The library's C files: every ``.c`` under ``root`` (``arch/`` included), one object each."""
+    return sorted(root.rglob("*.c"))
+
+
+def headers(root: Path = ROOT) -> list[Path]:
+    return sorted(root.rglob("*.h"))
+
+
+def compile_library(compiler: str, root: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile every C file under ``root`` to an object, the files side by side on the cores, and link them into the
+    shared library ``out``. CalledProcessError (with the compiler's messages) where one fails."""
+    objects = [out.parent / (f"{out.stem}-" + "-".join(f.relative_to(root).with_suffix(".o").parts))
+               for f in sources(root)]
+
+    def compile_one(source: Path, obj: Path) -> None:
+        subprocess.run([compiler, *FLAGS, *extra_flags, "-c", str(source), "-o", str(obj)], check=True,
+                       capture_output=True)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, sources(root), objects))  # list(): raise the first failure here
+    subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), "-lm"], check=True,
+                   capture_output=True)
+
+
 def build(compiler: str) -> Path:
+    """The library for this CPU, compiled once and then taken from the cache (keyed by every C file's path and text,
+    the compiler's version, the CPU and the flags)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    texts = [f"{f.relative_to(ROOT)}\n{f.read_text()}" for f in (*sources(), *headers())]
     key = hashlib.sha256(b"\0".join(s.encode() for s in (*texts, version, _cpu_id(), *FLAGS)))
     cache_dir = Path(os.environ.get("HARPOON_CACHE", Path.home() / ".cache" / "harpoon")) / "cpu_kernels"
     target = cache_dir / f"ops-{key.hexdigest()[:16]}.so"
@@ -49,8 +76,7 @@ def build(compiler: str) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = Path(tmp) / "ops.so"
-        sources = [str(f) for f in SOURCES]
-        subprocess.run([compiler, *FLAGS, *sources, "-o", str(built), "-lm"], check=True, capture_output=True)
+        compile_library(compiler, ROOT, built)
         os.replace(built, target)  # atomic: concurrent builders both end with a whole file
     return target
 
@@ -59,7 +85,8 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-_SIGNATURES = {  # argument types of the kernels ops.c exports; each returns nothing unless _RESULTS says otherwise
+# argument types of the kernels the library exports (ops.h); each returns nothing unless _RESULTS says otherwise
+_SIGNATURES = {
     "hp_pack_weight": [ptr, ptr, c_int, c_int],
     "hp_pack_words": [ptr, ptr, c_int, c_int, c_int],
     "hp_q8x_available": [],

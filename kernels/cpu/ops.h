@@ -1,18 +1,9 @@
-/* The kernels of ops.c that other C files (decoder.c) call, each documented where it is defined, and the vector
- * types and helpers the C files share. */
+/* The library's entry points that Python (kernels/cpu/__init__.py) and decoder.c call, each documented where it is
+ * defined, and the formats they take: packed weights (enum hp_weight_format, laid out in panels.h and gguf_pack.c)
+ * and K/V pools (enum hp_kv_format). */
 #ifndef HARPOON_OPS_H
 #define HARPOON_OPS_H
 #include <stdint.h>
-
-/* Eight floats or ints: one AVX2 register (GCC vector extensions, so any -march builds them). */
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef int v8i __attribute__((vector_size(32)));
-
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-static inline v8i splat8i(int x) { return (v8i){x, x, x, x, x, x, x, x}; }
-
-/* Lanes of a where mask is set (all ones), of b elsewhere. */
-static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* Formats of packed linear weights: fp32 panels (hp_pack_weight), int8 panels with per-column scales (approximate,
  * for the screened LM head), Q4, Q8, Q5, Q6M, Q4K, Q5K, Q6K and BF16 panels (the same fp32 values in fewer bytes;
@@ -30,10 +21,6 @@ enum hp_weight_format {
 /* The bodies that can compute BF16C products (hp_set_bf16_dot): the portable FMAs, avx512_bf16's dot product (the
  * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
 enum hp_bf16_dot { HP_BF16_FMA = 0, HP_BF16_DPBF16 = 1, HP_BF16_AMX = 2 };
-int hp_amx_bf16_available(void);
-/* The tile configuration of amx.c's products (tiles 0-3 accumulators of `rows` rows, 16 and nr - 16 columns wide;
- * 4-5 activations, 6-7 weights, a tile op summing `step` pairs of bytes); only where the build has AMX. */
-void hp_amx_load_config(int rows, int nr, int step);
 /* Bytes of one tile (16 columns x 32 inputs) of the widened panels, which hold a GGUF file's blocks for AMX (amx.c;
  * gguf_pack.c packs them): Q4A d and m of its 16 columns (fp32), then 16 rows of 16 bytes of nibbles; Q6A d of
  * inputs 0-15 and of 16-31, the low nibbles, then 8 x 16 bytes of high bits; Q8A d, then 16 rows of 32 bytes. */
@@ -81,22 +68,12 @@ static inline int64_t hp_widened_tile_bytes(int format) {
                                                   : HP_Q4A_TILE_BYTES;
 }
 
-/* BF16C panels nr columns wide, BF16A panels (nr 32), or Q4A, Q6A or Q8A panels (nr 32, widened their format; else
- * 0) on AMX tiles; -1 where it cannot. */
-int hp_linear_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, const float *bias,
-                        float *y, int64_t ldy, int M, int N, int K);
-/* Q4A, Q6A or Q8A panels computed in fp32 on AMX tiles (format HP_Q4S, HP_Q6S or HP_Q8S: the activations split
- * into three bfloat16 parts, amx.c); -1 where it cannot. */
-int hp_linear_split_amx(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
-                        int64_t ldy, int M, int N, int K);
-/* ids [M] = each row's argmax over the N columns of the same product, without writing it; -1 where it cannot. */
-int hp_argmax_bf16c_amx(const float *x, int64_t ldx, const void *packed, int nr, int widened, int M, int N, int K,
-                        int64_t *ids);
-
 /* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
  * has u8 x s8 dot products (hp_q8x_available). */
 #define HP_Q8X 256
 int hp_q8x_available(void);
+/* Whether AMX tiles can take the int8-activation products (arch/x86/amx_int8.c). */
+int hp_q8x_tiles_available(void);
 
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K);
@@ -108,6 +85,12 @@ void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const 
  * each value rounded to nearest even on the way in, widened back to fp32 on the way out), or int8 (a quarter of the
  * bytes, and a float32 scale after each head's D values: kernels/kv_int8.py says how they are rounded). */
 enum hp_kv_format { HP_KV_F32 = 0, HP_KV_BF16 = 1, HP_KV_I8 = 2 };
+
+/* Bytes of one KV head's row of one position in a pool of kv_format: D values, and for int8 the row's scale after
+ * them (a float32: the row is d q, d = max |x| / 127). */
+static inline int64_t kv_head_bytes(int D, int kv_format) {
+    return kv_format == HP_KV_I8 ? D + (int64_t)sizeof(float) : (int64_t)D * (kv_format == HP_KV_BF16 ? 2 : 4);
+}
 
 void hp_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *out,

@@ -14,13 +14,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "arch/simd.h"
+
 #define FLAG_STRIDE 8 /* int64s: one cache line a flag, so ranks raising flags do not share a line */
 #define SPINS_BEFORE_YIELD 2048 /* a rank without a core of its own must not spin out the one it waits for */
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
 static double now_s(void) {
     struct timespec t;
@@ -46,7 +43,7 @@ int hp_shm_sum(char *base, int rank, int ranks, int64_t slot, float *x, int64_t 
     for (int r = 0; r < ranks; r++) {
         for (int spins = 0; __atomic_load_n(&flags[r * FLAG_STRIDE], __ATOMIC_ACQUIRE) < generation;) {
             if (++spins < SPINS_BEFORE_YIELD) {
-                CPU_RELAX();
+                cpu_relax();
                 continue;
             }
             spins = 0;

@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import io
+import shutil
 import statistics
 import subprocess
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,8 +72,9 @@ from kernels.cpu import (
     pack_weight_q4a,
 )
 from kernels.cpu.blocks import GGUF_PANEL_DTYPES, SUPER
-from kernels.cpu.library import FLAGS, HEADERS, SOURCES, declare, find_compiler
+from kernels.cpu.library import ROOT as LIBRARY_ROOT
 from kernels.cpu.library import build as build_library
+from kernels.cpu.library import compile_library, declare, find_compiler
 from loadtest.lab.compact_gemm import GRIDS
 from loadtest.models import random_blocks
 
@@ -104,19 +108,16 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
         return declare(ctypes.CDLL(str(build_library(find_compiler() or "cc"))))
     src = out_dir / f"src{len(list(out_dir.iterdir()))}"
     src.mkdir()
-    for path in (*SOURCES, *HEADERS):
-        rel = path.relative_to(_ROOT).as_posix()
-        if rev == "WORKTREE":
-            text = path.read_text()
-        else:  # a source that revision does not have yet is left out
-            shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=_ROOT, capture_output=True, text=True)
-            if shown.returncode:
-                continue
-            text = shown.stdout
-        (src / path.name).write_text(text)
+    if rev == "WORKTREE":
+        shutil.copytree(LIBRARY_ROOT, src, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    else:  # that revision's C files, whatever their layout (kernels/cpu and any folders under it)
+        archive = subprocess.run(["git", "archive", rev, LIBRARY_ROOT.relative_to(_ROOT).as_posix()], cwd=_ROOT,
+                                 capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(src, filter="data")
+        src = src / LIBRARY_ROOT.relative_to(_ROOT)
     lib = src / "ops.so"
-    sources = [str(src / p.name) for p in SOURCES if (src / p.name).exists()]
-    subprocess.run([find_compiler() or "cc", *FLAGS, *flags.split(), *sources, "-o", str(lib), "-lm"], check=True)
+    compile_library(find_compiler() or "cc", src, lib, tuple(flags.split()))
     return declare(ctypes.CDLL(str(lib)))
 
 
