@@ -98,8 +98,8 @@ def test_bf16_panels_hold_each_columns_pairs_of_inputs_and_zeros_past_the_last(n
     same packing, whether or not this CPU has the AMX tiles that compute them)."""
     bits = torch.randint(-2**15, 2**15, (n, 64), dtype=torch.int16, generator=torch.Generator().manual_seed(n))
     w = bits.view(torch.bfloat16)
-    width = cpu.panel_width() if width == "bf16c" else cpu.BF16A_WIDTH
-    panels = cpu._bf16_pairs(w, width, torch.int16).view(-1, 32, width, 2)  # [panel, k // 2, column, k % 2]
+    width = cpu.panel_width() if width == "bf16c" else cpu.TILE_WIDTH
+    panels = cpu.packing._bf16_pairs(w, width, torch.int16).view(-1, 32, width, 2)  # [panel, k // 2, column, k % 2]
     padded = torch.zeros(panels.shape[0] * width, 64, dtype=torch.int16)
     padded[:n] = bits
     assert torch.equal(panels, padded.view(-1, width, 32, 2).transpose(1, 2))

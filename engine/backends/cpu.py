@@ -36,6 +36,7 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends import wide_panels, widened
 from engine.backends.base import TorchBackend
+from engine.backends.decoder_layers import decoder_of
 from engine.backends.gemm_plan import (
     GemmPlan,
     OneDnnLinear,
@@ -54,7 +55,7 @@ from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
 from engine.models.rotary import RotaryEmbedding
 from kernels import cdiv
 from kernels import cpu as cpu_kernels
-from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
+from kernels.cpu.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +271,8 @@ class CpuBackend(TorchBackend):
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
         if self.config.tensor_parallel_size == 1:
-            self.decoder = _decoder(model, self.int8_activations)
-            self.wide_decoder = _decoder(model, self.int8_activations, wide=True) if self.wide_rows else None
+            self.decoder = decoder_of(model, self.int8_activations)
+            self.wide_decoder = decoder_of(model, self.int8_activations, wide=True) if self.wide_rows else None
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
@@ -559,43 +560,3 @@ def _panel_kernel(packed: widened.Panels, blocks: Blocks) -> PackedLinear | Spli
 def _fp32_rows(table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Lookups as fp32 rows, the activations' type between the products, whatever the table's dtype."""
     return table[input_ids].float()
-
-
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
-
-
-def _packed(layer: Linear, wide: bool) -> dict[str, torch.Tensor | int | None]:
-    """A projection's panels as ``LayerWeights`` holds them: whole, or a head and a tail (``SplitLinear``); its
-    fp32 panels where ``wide`` and it has them."""
-    panels = [part.read(wide) for part in layer.kernel.parts]
-    if isinstance(layer.kernel, SplitLinear):
-        return {"": panels[0], "_tail": panels[1], "_head_rows": layer.kernel.head.out_features}
-    return {"": panels[0]}
-
-
-def _fused(name: str, layer: Linear, wide: bool) -> dict[str, torch.Tensor | int]:
-    return {name + suffix: value for suffix, value in _packed(layer, wide).items()}
-
-
-def _decoder(model: LlamaForCausalLM, int8_activations: bool, wide: bool = False) -> Decoder:
-    """The model's packed layers, described for the one-call C decoder: over their fp32 panels where ``wide``
-    (``wide_panels.py``)."""
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    shape = DecoderShape(
-        hidden=model.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim, intermediate=mlp.intermediate_size, eps=model.norm.eps, scale=attn.attn.scale,
-    )
-    layers = []
-    for layer in model.layers:
-        a, m = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            input_norm=_detached(layer.input_layernorm.weight), **_fused("qkv", a.qkv_proj, wide),
-            o=_packed(a.o_proj, wide)[""], post_norm=_detached(layer.post_attention_layernorm.weight),
-            **_fused("gate_up", m.gate_up_proj, wide), down=_packed(m.down_proj, wide)[""],
-            qkv_bias=_detached(a.qkv_proj.bias), o_bias=_detached(a.o_proj.bias),
-            gate_up_bias=_detached(m.gate_up_proj.bias), down_bias=_detached(m.down_proj.bias),
-            q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
-        ))
-    return Decoder(shape, layers, _detached(model.norm.weight), model.rotary.cos_cache, model.rotary.sin_cache,
-                   int8_activations)

@@ -1,5 +1,5 @@
-"""A GGUF file's blocks kept as blocks in a bfloat16 process on AMX: Q4A, Q6A and Q8A panels (``kernels/cpu/amx.c``),
-which the tile products widen to bfloat16 a k step at a time as they multiply.
+"""A GGUF file's blocks kept as blocks in a bfloat16 process on AMX: Q4A, Q6A and Q8A panels
+(``kernels/cpu/arch/x86/amx_bf16.c``), which the tile products widen to bfloat16 a k step at a time as they multiply.
 
 Why: made dense for the tiles (BF16A panels), a Q4_K_M file's weights take 2 bytes each where the file holds ~0.6,
 and a step reads every one of them. Widened as they are multiplied, the values and so the bits of the products are
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # the kind of blocks each widened format holds, and the kind decoded blocks are held as (a K-quant's scales formed);
-# which GGUF types go to which format is kernels.cpu.GGUF_WIDENED_DTYPES
+# which GGUF types go to which format is the format table's (kernels.cpu.gguf_format(type, "tiles"))
 FORMAT_KINDS = {"Q4A": "q4", "Q6A": "q6", "Q8A": "q8"}
 KINDS = {"q4": "q4", "q4k": "q4", "q6": "q6", "q6k": "q6", "q8": "q8"}
 TIMING_BYTES = 1 << 30  # bfloat16 weights over which the widened panels are timed against BF16A
@@ -46,8 +46,8 @@ def kind_of(blocks: Blocks | None) -> str | None:
     if isinstance(blocks, QuantizedWeight):
         kind = KINDS.get(blocks.kind)
     else:
-        dtype = cpu_kernels.GGUF_WIDENED_DTYPES.get(blocks.type_id) if isinstance(blocks, FileBlocks) else None
-        kind = FORMAT_KINDS[cpu_kernels.FORMAT_NAMES[dtype]] if dtype is not None else None
+        fmt = cpu_kernels.gguf_format(blocks.type_id, "tiles") if isinstance(blocks, FileBlocks) else None
+        kind = FORMAT_KINDS[fmt.name] if fmt is not None else None
     return kind if kind and blocks.shape[1] % 32 == 0 else None
 
 
@@ -87,12 +87,12 @@ def multiply(packed: Panels, x: torch.Tensor) -> None:
 
 def split_panels(blocks: Blocks) -> Panels:
     """``blocks`` as Q4S, Q6S or Q8S panels: the widened panels' bytes, multiplied in fp32 on AMX
-    (``kernels/cpu/amx.c``); each part of a fused projection of two types. A file's Q4_K and Q6_K blocks as Q4KS
-    and Q6KS panels instead: the same products from the file's own scales, in 0.58 and 0.82 bytes a weight where
-    Q4S and Q6S take 0.75 and 1 (an 8B Q4_K_M's weights 6.0 GB as Q4S and Q6S, its file 4.9)."""
+    (``kernels/cpu/arch/x86/amx_bf16.c``); each part of a fused projection of two types. A file's Q4_K and Q6_K
+    blocks as Q4KS and Q6KS panels instead: the same products from the file's own scales, in 0.58 and 0.82 bytes a
+    weight where Q4S and Q6S take 0.75 and 1 (an 8B Q4_K_M's weights 6.0 GB as Q4S and Q6S, its file 4.9)."""
     if isinstance(blocks, SplitBlocks):
         return split_panels(blocks.head), split_panels(blocks.tail)
-    if isinstance(blocks, FileBlocks) and blocks.type_id in cpu_kernels.GGUF_KSPLIT_DTYPES:
+    if isinstance(blocks, FileBlocks) and cpu_kernels.gguf_format(blocks.type_id, "tiles-fp32") is not None:
         return cpu_kernels.pack_gguf_ksplit(blocks.type_id, blocks.addresses(), blocks.in_features)
     return cpu_kernels.as_split(panels(blocks))
 

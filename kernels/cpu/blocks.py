@@ -1,5 +1,5 @@
 """Linear weights that are exactly 4- or 8-bit blocks, held as such for the C kernels (``hp_linear_packed`` in
-``ops.c``).
+``linear.c``).
 
 Why: a decode step at a small batch streams every weight from memory once, so its time is the weights' bytes over
 the memory's bandwidth. The default SmolLM2 weights come from a GGUF file whose projections are Q4_1 (every 32
@@ -25,10 +25,8 @@ import os
 import torch
 
 from kernels import cdiv
-from kernels.cpu.formats import WEIGHT_FORMATS
+from kernels.cpu.formats import BY_NAME, FORMATS, GROUP, SUPER
 from kernels.cpu.library import library
-
-GROUP = 32  # inputs per block: Q4_GROUP and Q8_GROUP in ops.c, as GGUF's
 
 
 def q4_enabled() -> bool:
@@ -39,22 +37,8 @@ def q8_enabled() -> bool:
     return os.environ.get("HARPOON_CPU_Q8", "1") != "0"
 
 
-def q4_block_bytes(panel_width: int) -> int:
-    """Bytes of one Q4 panel's 32 inputs: d and m for each column as floats, then a nibble per weight."""
-    return 2 * panel_width * 4 + GROUP * panel_width // 2
-
-
-def q8_block_bytes(panel_width: int, scales: int = 1) -> int:
-    """Bytes of one Q8 panel's 32 inputs: d for each column as a float, then a byte per weight. Q5 (2) and Q6M (4)
-    panels hold more ``scales`` vectors before the bytes."""
-    return scales * panel_width * 4 + GROUP * panel_width
-
-
-# The panel formats of byte blocks (ops.c): the packed tensor's dtype names its format (kernels.cpu.WEIGHT_FORMATS),
-# and its scale vectors per 32 inputs, in order: Q8 d; Q5 d, m; Q6M d (k 0..15), d (k 16..31), m, m.
-BYTE_BLOCK_DTYPES = {"q8": torch.int8, "q5": torch.int32, "q6m": torch.float64}
-BYTE_BLOCK_SCALES = {torch.int8: 1, torch.int32: 2, torch.float64: 4}
-BLOCK_PANEL_NAMES = {torch.uint8: "Q4", torch.int8: "Q8", torch.int32: "Q5", torch.float64: "Q6M"}
+# The block formats of the table by the name engine/models/quantized.py gives their blocks (q4, q8, q5, q6m, q4k ...)
+KIND_FORMATS = {f.kind: f for f in FORMATS if f.kind}
 
 
 Blocks = tuple[torch.Tensor, ...]
@@ -72,7 +56,8 @@ def _find(weight: torch.Tensor, q_dtype: torch.dtype) -> Blocks | None:
     weight = weight.contiguous()
     d, m = torch.empty(n, k // GROUP), torch.empty(n, k // GROUP)
     q = torch.empty(n, k // GROUP, GROUP, dtype=q_dtype)
-    if library().hp_find_blocks(WEIGHT_FORMATS[q_dtype], weight.data_ptr(), n * k // GROUP, d.data_ptr(),
+    code = BY_NAME["Q4" if q_dtype == torch.uint8 else "Q8"].code
+    if library().hp_find_blocks(code, weight.data_ptr(), n * k // GROUP, d.data_ptr(),
                                  m.data_ptr(), q.data_ptr()):
         return None
     return (d, m, q) if q_dtype == torch.uint8 else (d, q)
@@ -104,9 +89,9 @@ def _padded(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:
 
 
 def pack_weight_q4(weight: torch.Tensor, panel_width: int) -> torch.Tensor | None:
-    """``weight`` [N, K] as Q4 panels [ceil(N / P), K / 32, q4_block_bytes(P)] uint8 (P = panel_width, zero-padded
+    """``weight`` [N, K] as Q4 panels [ceil(N / P), K / 32, 24 P] uint8 (P = panel_width, zero-padded
     columns), or None where it is not exactly Q4 (see ``q4_blocks``). The layout is documented at Q4_BLOCK_BYTES in
-    ops.c: per panel and 32 inputs, d [P] and m [P] as floats, then lanes of eight nibbles of one column."""
+    panels.h: per panel and 32 inputs, d [P] and m [P] as floats, then lanes of eight nibbles of one column."""
     found = q4_blocks(weight)
     return None if found is None else pack_q4(*found, panel_width)
 
@@ -134,26 +119,6 @@ def _byte_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor
     return q.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
 
 
-# The K-quant panel formats (ops.c, Q4K_PANELS): per 256 inputs of a panel, d and dmin as fp16 and the 12 bytes of
-# packed 6-bit scales and mins (Q4K, Q5K; Q6K: d as a float and the int8 scales), four bytes to a 32-bit lane of a
-# column, then the weights of each 32 inputs as a Q4 (Q4K) or byte (Q5K, Q6K) block's.
-K_QUANT_DTYPES = {"q4k": torch.uint16, "q5k": torch.uint32, "q6k": torch.uint64}
-K_QUANT_NAMES = {torch.uint16: "Q4K", torch.uint32: "Q5K", torch.uint64: "Q6K"}
-SUPER = 256
-
-
-# ggml's type ids (gguf-py's GGMLQuantizationType) -> the panels ``gguf_pack.c`` packs a file's blocks of that type
-# into: Q4_0, Q4_1 -> Q4; Q5_0, Q8_0 -> Q8; Q5_1 -> Q5; Q4_K, Q5_K, Q6_K -> their K-quant panels
-GGUF_PANEL_DTYPES = {2: torch.uint8, 3: torch.uint8, 6: torch.int8, 8: torch.int8, 7: torch.int32, 12: torch.uint16,
-                     13: torch.uint32, 14: torch.uint64}
-
-
-def k_quant_block_bytes(dtype: torch.dtype, panel_width: int) -> int:
-    """Bytes of one K-quant panel's 256 inputs."""
-    header = (4 + 16 if dtype == torch.uint64 else 4 + 12) * panel_width
-    return header + {torch.uint16: SUPER // 2, torch.uint64: SUPER * 3 // 4}.get(dtype, SUPER) * panel_width
-
-
 def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor | None, sub: torch.Tensor,
                  panel_width: int) -> torch.Tensor:
     """K-quant panels: q [N, K/32, 32] values, d (and dmin for q4k, q5k) [N, K/256] fp32, sub the sub-scales
@@ -178,7 +143,7 @@ def pack_k_quant(kind: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
     else:
         blocks = _byte_blocks(q, panels, panel_width)
     weights = blocks.view(torch.int8).reshape(panels, supers, -1)
-    return torch.cat([*header, weights], dim=-1).contiguous().view(K_QUANT_DTYPES[kind])
+    return torch.cat([*header, weights], dim=-1).contiguous().view(KIND_FORMATS[kind].tag)
 
 
 def k4_packed(sub: torch.Tensor) -> torch.Tensor:
@@ -193,7 +158,7 @@ def k4_packed(sub: torch.Tensor) -> torch.Tensor:
 
 def _six_bit_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Tensor:
     """Q6_K's values q [N, K/32, 32] (-32..31) as Q6K panel groups: q + 32 in a Q4 block's nibbles, then the high two
-    bits (ops.c, Q6_HIGH): per column, word j of a group covers nibble words 2 j and 2 j + 1, byte i of it the values
+    bits (panels.h, Q6_HIGH): per column, word j of a group covers nibble words 2 j and 2 j + 1, byte i of it the values
     k = 16 j + 8 c + 2 i + o at bits 2 (2 c + o). [panels, K/32, 24 P] bytes."""
     u = (q.to(torch.int16) + 32).to(torch.uint8)
     low = _nibble_blocks(u & 15, panels, panel_width)
@@ -207,20 +172,20 @@ def _six_bit_blocks(q: torch.Tensor, panels: int, panel_width: int) -> torch.Ten
 
 
 def pack_weight_q8(weight: torch.Tensor, panel_width: int) -> torch.Tensor | None:
-    """``weight`` [N, K] as Q8 panels [ceil(N / P), K / 32, q8_block_bytes(P)] int8 (P = panel_width, zero-padded
+    """``weight`` [N, K] as Q8 panels [ceil(N / P), K / 32, 36 P] int8 (P = panel_width, zero-padded
     columns), or None where it is not exactly Q8 (see ``q8_blocks``). The layout is documented at Q8_BLOCK_BYTES in
-    ops.c: per panel and 32 inputs, d [P] as floats, then lanes of four bytes of one column."""
+    panels.h: per panel and 32 inputs, d [P] as floats, then lanes of four bytes of one column."""
     found = q8_blocks(weight)
     return None if found is None else pack_bytes("q8", [found[0]], found[1], panel_width)
 
 
 def pack_bytes(kind: str, scales: list[torch.Tensor], q: torch.Tensor, panel_width: int) -> torch.Tensor:
-    """Panels of byte blocks (``BYTE_BLOCK_DTYPES[kind]``): ``scales`` [N, K/32] fp32 each, in the order the format
-    reads them, then q [N, K/32, 32] (int8, or uint8 values below 128) in the int8 panel layout. The bytes are those
-    of int8 [ceil(N / P), K / 32, q8_block_bytes(P, len(scales))], viewed as the format's dtype."""
-    dtype = BYTE_BLOCK_DTYPES[kind]
-    if len(scales) != BYTE_BLOCK_SCALES[dtype]:
-        raise ValueError(f"{kind} panels hold {BYTE_BLOCK_SCALES[dtype]} scale vectors, got {len(scales)}")
+    """Panels of byte blocks (``KIND_FORMATS[kind]``: Q8, Q5 or Q6M): ``scales`` [N, K/32] fp32 each, in the order
+    the format reads them, then q [N, K/32, 32] (int8, or uint8 values below 128) in the int8 panel layout. The
+    bytes are those of int8 [ceil(N / P), K / 32, (4 len(scales) + 32) P], viewed as the format's tag."""
+    fmt = KIND_FORMATS[kind]
+    if len(scales) != (fmt.column_bytes - GROUP) // 4:  # a float a column per scale vector, then a byte per input
+        raise ValueError(f"{kind} panels hold {(fmt.column_bytes - GROUP) // 4} scale vectors, got {len(scales)}")
     panels = cdiv(q.shape[0], panel_width)
     vectors_of = [_panel_scales(s.float(), panels, panel_width).view(torch.int8) for s in scales]
-    return torch.cat([*vectors_of, _byte_blocks(q, panels, panel_width)], dim=-1).contiguous().view(dtype)
+    return torch.cat([*vectors_of, _byte_blocks(q, panels, panel_width)], dim=-1).contiguous().view(fmt.tag)

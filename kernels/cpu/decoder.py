@@ -14,8 +14,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from kernels import kv_int8
-from kernels.cpu import HP_Q8X, WEIGHT_FORMATS, _check, kv_format, packed_geometry
+from kernels.cpu.formats import HP_Q8X, WEIGHT_FORMATS, packed_geometry
 from kernels.cpu.library import c_float, c_i64, c_int, library, ptr
+from kernels.cpu.ops import check, kv_format
 
 
 @dataclass
@@ -187,10 +188,10 @@ class Decoder:
         _contiguous(x, "x")
         for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
                                ("seq_lens", seq_lens, torch.int32)):
-            _check(t, dtype, name)
+            check(t, dtype, name)
             if t.shape != (num_tokens,) or not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous [{num_tokens}] tensor, got {tuple(t.shape)}")
-        _check(block_tables, torch.int32, "block_tables")
+        check(block_tables, torch.int32, "block_tables")
         if block_tables.shape[0] != num_tokens or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables: expected {num_tokens} contiguous rows, got {tuple(block_tables.shape)}")
         if x.shape[1] != self.shape.hidden:
@@ -206,6 +207,6 @@ class Decoder:
 
 
 def _contiguous(t: torch.Tensor, name: str) -> None:
-    _check(t, torch.float32, name)
+    check(t, torch.float32, name)
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")

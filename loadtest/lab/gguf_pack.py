@@ -26,14 +26,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"packing a GGUF file's blocks into panels ({cpu_isa()}, {torch.get_num_threads()} threads)")
     print("| type | tensor | MiB | best ms | GB/s of file |\n|---|---|---|---|---|")
     for t in reader.tensors:
-        if t.tensor_type in seen or len(t.shape) != 2 or int(t.tensor_type) not in cpu.blocks.GGUF_PANEL_DTYPES:
+        if t.tensor_type in seen or len(t.shape) != 2 or cpu.gguf_format(int(t.tensor_type), "exact") is None:
             continue
         seen.add(t.tensor_type)
         n, k = int(t.shape[1]), int(t.shape[0])
         rows = torch.arange(n, dtype=torch.int64) * (t.data.nbytes // n) + t.data.ctypes.data
         packers = {"": cpu.pack_gguf_rows}
-        if int(t.tensor_type) in cpu.GGUF_KSPLIT_DTYPES and "amx" in cpu.bf16_dots():
-            tiles = cpu.FORMAT_NAMES[cpu.GGUF_KSPLIT_DTYPES[int(t.tensor_type)]]
+        tiles_format = cpu.gguf_format(int(t.tensor_type), "tiles-fp32")
+        if tiles_format is not None and "amx" in cpu.bf16_dots():
+            tiles = tiles_format.name
             packers[f" as {tiles}"] = cpu.pack_gguf_ksplit  # the fp32 tiles' panels (AMX)
         for name, pack in packers.items():
             out = pack(int(t.tensor_type), rows, k)

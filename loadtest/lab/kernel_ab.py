@@ -60,10 +60,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kernels import cdiv, kv_int8
 from kernels.cpu import (
     BF16_DOTS,
-    BF16A_WIDTH,
-    GGUF_KSPLIT_DTYPES,
     HP_Q8X,
-    KSPLIT_SUPER_BYTES,
     KV_FORMATS,
     WEIGHT_FORMATS,
     as_split,
@@ -71,7 +68,7 @@ from kernels.cpu import (
     pack_weight_compact,
     pack_weight_q4a,
 )
-from kernels.cpu.blocks import GGUF_PANEL_DTYPES, SUPER
+from kernels.cpu.formats import TILE_WIDTH, gguf_format
 from kernels.cpu.library import ROOT as LIBRARY_ROOT
 from kernels.cpu.library import build as build_library
 from kernels.cpu.library import compile_library, declare, find_compiler
@@ -171,18 +168,19 @@ def block_step_weights(fmt: str, shapes: list[tuple[int, int]], gen: torch.Gener
         rows = blocks.data_ptr() + blocks.stride(0) * torch.arange(n, dtype=torch.int64)
         for dll, weights in zip(dlls, out, strict=True):
             if fmt in KSPLIT_TYPES:
-                dtype = GGUF_KSPLIT_DTYPES[int(kind)]
-                buffer = torch.empty(cdiv(n, BF16A_WIDTH) * k // SUPER * KSPLIT_SUPER_BYTES[dtype], dtype=torch.uint8)
+                fmt = gguf_format(int(kind), "tiles-fp32")
+                buffer = torch.empty(cdiv(n, TILE_WIDTH) * k // fmt.inputs * fmt.block_bytes(TILE_WIDTH),
+                                     dtype=torch.uint8)
                 if dll.hp_pack_gguf_ksplit(int(kind), rows.data_ptr(), n, k, buffer.data_ptr()) != buffer.numel():
                     raise ValueError(f"{fmt}: a variant's gguf_pack.c does not pack {kind.name} into K-quant panels")
-                weights.append((buffer.view(dtype), n, k))
+                weights.append((buffer.view(fmt.tag), n, k))
                 continue
             width = dll.hp_panel_width()
             buffer = torch.empty(cdiv(n, width) * width * k * 3 // 2, dtype=torch.uint8)  # panels: <= 1.125 B a weight
             written = dll.hp_pack_gguf(int(kind), rows.data_ptr(), n, k, width, buffer.data_ptr())
             if written < 0:
                 raise ValueError(f"{fmt}: a variant's gguf_pack.c does not pack {kind.name}")
-            weights.append((buffer[:written].clone().view(GGUF_PANEL_DTYPES[int(kind)]), n, k))
+            weights.append((buffer[:written].clone().view(gguf_format(int(kind), "exact").tag), n, k))
     return out
 
 
