@@ -126,8 +126,11 @@ def packed_geometry(packed: torch.Tensor) -> tuple[int, int]:
     """(in_features, output columns held) of a packed weight of any format of the table; ValueError where its shape
     is not a whole number of its format's panels and blocks."""
     fmt = format_of(packed)
+    if packed.dim() != 3:
+        raise ValueError(f"expected packed panels [panels, blocks, bytes of a block], got {fmt.name}'s tag "
+                         f"{packed.dtype} in {tuple(packed.shape)}")
     expected = fmt.block_bytes(panel_width())
-    if packed.dim() != 3 or packed.shape[2] * packed.element_size() != expected:
+    if packed.shape[2] * packed.element_size() != expected:
         raise ValueError(f"{fmt.name} panels hold {expected} bytes per {fmt.inputs} inputs, got {tuple(packed.shape)} "
                          f"{packed.dtype}")
     return packed.shape[1] * fmt.inputs, packed.shape[0] * fmt.width(panel_width())
