@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 # NOTE: how the engine process's OpenMP threads wait, unless the user set it. OpenMP reads these once, when the
 # process loads it, so the API process puts them in the environment the engine process starts with. By default an
 # idle OpenMP thread spins ~300k iterations between parallel regions; on a 2-core machine that spin takes the core
-# the API process needs to stream tokens, and one client's stream ran 5-13% slower (docs/benchmarks.md). Spinning
-# ~10k iterations still bridges the gaps between one step's kernels and frees the core soon after.
+# the API process needs to stream tokens, and one client's stream ran 5-13% slower (docs/history/benchmarks-2026-12.md).
+# Spinning ~10k iterations still bridges the gaps between one step's kernels and frees the core soon after.
 ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 

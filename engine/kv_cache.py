@@ -61,9 +61,9 @@ def host_pools(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[
     """``count`` zeroed host tensors of ``shape`` in one private anonymous mapping, advised onto 2 MiB pages before
     anything touches it, returned with the mapping, which must outlive them. Why: a decode step reads each sequence's
     blocks from all over the pool, and the loads that first touch each block were 68% of a 64-sequence decode
-    attention's samples; on 2 MiB pages that attention took ~7% less time (docs/benchmarks.md). Advised after torch
-    had zeroed the pages, almost none became huge pages. Where 2 MiB pages are off, or the kernel refuses the
-    advice, these are plain pages and nothing else changes."""
+    attention's samples; on 2 MiB pages that attention took ~7% less time (docs/history/benchmarks-2026-12.md). Advised
+    after torch had zeroed the pages, almost none became huge pages. Where 2 MiB pages are off, or the kernel refuses
+    the advice, these are plain pages and nothing else changes."""
     each = torch.Size(shape).numel() * dtype.itemsize
     each += -each % 64  # each pool on a cache line of its own
     mapping = mmap.mmap(-1, count * each + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem

@@ -3,9 +3,9 @@
 ``q = x / d`` rounded to nearest even. A pool's last dimension is therefore ``head_dim + SCALE_BYTES`` bytes.
 
 Why: a decode step reads every cached position of every running sequence, and at 64 clients of SmolLM2-135M on a
-2-core CPU that reading was ~20% of the step (docs/benchmarks.md). int8 halves the bytes of a bfloat16 pool (and
-doubles its tokens in the same memory), at the cost of one rounding per value of at most half a step of its row's
-max / 127; it is not exact, so it is opt-in, like vLLM's fp8 pool.
+2-core CPU that reading was ~20% of the step (docs/history/benchmarks-2026-12.md). int8 halves the bytes of a bfloat16
+pool (and doubles its tokens in the same memory), at the cost of one rounding per value of at most half a step of its
+row's max / 127; it is not exact, so it is opt-in, like vLLM's fp8 pool.
 
 These torch functions are the format's definition: the C kernels (``hp_store_kv``, ``hp_paged_decode_attention``)
 write the same bytes and read them the same way, and the plain-torch attention reads a pool through them.

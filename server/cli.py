@@ -115,8 +115,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     engine_started = asyncio.create_task(client.start())
     await asyncio.sleep(0)  # the engine process is spawned: its imports and the model load run from now on
     # The tokenizer and the API's modules load while the engine starts: transformers took ~2.4 s over a 128K
-    # vocabulary of Llama 3's size (a random 8B file's, docs/benchmarks.md), and the API's imports (FastAPI,
-    # transformers) ~2 s.
+    # vocabulary of Llama 3's size (a random 8B file's, docs/history/benchmarks-2026-12.md), and the API's imports
+    # (FastAPI, transformers) ~2 s.
     tokenizer_loaded = asyncio.create_task(asyncio.to_thread(load_tokenizer, files))
     from server.api import build_app
     from server.async_engine import AsyncEngine

@@ -285,9 +285,9 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(bf16_llm, prompt_ids):
 
 
 def test_bf16_greedy_agrees_with_transformers_bf16_until_a_near_tie(bf16_llm, smollm2_path, prompt_ids):
-    """Measured on the test prompts (docs/benchmarks.md): where our tokens first differ from transformers' in
-    bfloat16, each side's token is among the other's top 5 (a near tie, the two roundings tipping it), and most
-    prompts are identical for all 32 tokens."""
+    """Measured on the test prompts (docs/history/benchmarks-2026-12.md): where our tokens first differ from
+    transformers' in bfloat16, each side's token is among the other's top 5 (a near tie, the two roundings tipping it),
+    and most prompts are identical for all 32 tokens."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()

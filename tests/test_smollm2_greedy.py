@@ -146,9 +146,9 @@ def test_greedy_identical_with_ngram_speculation(prompt_ids, expected, pool_bloc
 @pytest.mark.skipif(not cpu.q8x_available(), reason="needs integer dot products")
 def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prompt_ids, expected):
     """``--quantized-matmul int8`` multiplies the file's blocks by activations rounded to int8 per 32 inputs, as
-    llama.cpp does: not exact. Measured on the test prompts (printed; docs/benchmarks.md): where its tokens first
-    differ from transformers' fp32, each side's token is among the other's top 5 (a near tie, the rounding tipping
-    it), and most prompts are identical to the end. Its tokens do not depend on the batch."""
+    llama.cpp does: not exact. Measured on the test prompts (printed; docs/history/benchmarks-2026-12.md): where its
+    tokens first differ from transformers' fp32, each side's token is among the other's top 5 (a near tie, the rounding
+    tipping it), and most prompts are identical to the end. Its tokens do not depend on the batch."""
     llm = LLM(None, **quick(quantized_matmul="int8"))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate(prompt_ids, params)
@@ -164,8 +164,8 @@ def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prom
 @pytest.mark.parametrize("products", ["exact", "int8"])
 def test_int8_kv_cache_agrees_with_transformers_until_a_near_tie(hf_smollm2, prompt_ids, expected, products):
     """``--kv-cache-dtype int8`` keeps each K/V row as int8 with its scale (kernels/kv_int8.py): not exact. Measured on
-    the test prompts (printed; docs/benchmarks.md), alone and with int8 products: where its tokens first differ
-    from transformers' fp32, each side's token is among the other's top 5, and at least half the prompts are
+    the test prompts (printed; docs/history/benchmarks-2026-12.md), alone and with int8 products: where its tokens first
+    differ from transformers' fp32, each side's token is among the other's top 5, and at least half the prompts are
     identical to the end."""
     if products == "int8" and not cpu.q8x_available():
         pytest.skip("needs integer dot products")

@@ -75,7 +75,7 @@ PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pac
 # Rows at which the bfloat16 bodies are timed: a stream's decode, and batches of decodes or a prompt chunk. AMX tiles
 # compute 16 rows at once, so they win from a few rows on; the sum weighs the batches, as throughput under load does.
 # (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
-# faster of the two, on an AMD EPYC the dot product; docs/benchmarks.md, the matmul candidates.)
+# faster of the two, on an AMD EPYC the dot product; docs/history/benchmarks-2026-12.md, the matmul candidates.)
 BF16_DOT_ROWS = (1, 16, 64)
 # Rows at which the fp32 bodies are timed: both run 1-4 rows alike (in registers), so batches of decodes and a chunk.
 F32_BODY_ROWS = (16, 64)
@@ -394,7 +394,7 @@ class CpuBackend(TorchBackend):
         # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the
         # same bits, so the choice can change here. Timed while it loaded (2 cores), one server read "vnni 0.56,
         # maddubs 0.44" ms (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16
-        # and 64 clients than the next start, which kept VNNI (docs/benchmarks.md).
+        # and 64 clients than the next start, which kept VNNI (docs/history/benchmarks-2026-12.md).
         self._time_body()
         # NOTE: and the int8 screen's rows, for the same reason: timed while the API process loaded, five starts of
         # the default server kept it at 1-1, 1-1, 1-16, 1-256 and 4-256 rows; in an idle process, 4-256 five times

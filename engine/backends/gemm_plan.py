@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 M_BUCKETS = (1, 4, 16, 64, 256)
 # NOTE: the products timed alone leave out what the C family brings beside them: the one-call decoder and the
 # screened greedy head. Forced onto oneDNN, SmolLM2-135M in fp32 ran one stream at 32 tok/s against 190 on the C
-# panels on an AVX-512 EPYC (docs/benchmarks.md), where the products alone were within 10% at 16-256 rows. So the
-# library must win clearly.
+# panels on an AVX-512 EPYC (docs/history/benchmarks-2026-12.md), where the products alone were within 10% at 16-256
+# rows. So the library must win clearly.
 LIBRARY_MARGIN = 1.25
 BF16_MARGIN = 1.25  # bfloat16 is picked by --dtype auto only where its products are this much faster
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")

@@ -104,7 +104,7 @@ class Int8ScreenedHead:
     table tied to it, as SmolLM2's), from the int8-activation product of the same panels, for batches of
     ``min_rows`` .. ``max_rows`` rows. That product (``linear(..., int8_activations=True)``: integer dot products,
     VNNI's or maddubs) ran ~2x faster than the exact one from 16 rows on (AVX-512 VNNI, the head out of the caches,
-    docs/benchmarks.md), and it is within ``||w'_j|| s`` of the exact logit l_j, where w'_j
+    docs/history/benchmarks-2026-12.md), and it is within ``||w'_j|| s`` of the exact logit l_j, where w'_j
     is column j's weights (the fp32 values the exact product uses, d q with no rounding) and for the row h:
         |a_j - h^.w'_j| <= g(B + 4) ||h^|| ||w'_j||   (the integer sums exact; per 32 k two roundings, then the sum)
         |h^.w'_j - h.w'_j| <= E ||w'_j||               (Cauchy-Schwarz, E = ||h - h^||, the int8 rounding of h)
@@ -115,7 +115,7 @@ class Int8ScreenedHead:
     product applies (``q8x_rounding_error``). The columns whose bound reaches the best lower bound are recomputed
     exactly (``screened_argmax``: a median of 1 a row, p90 23, on SmolLM2's hidden states), so the token is the
     exact head's. Building it (the columns' norms, ``row_norms``) and timing it (``screen_rows``) took 1.4 s of the
-    start of an 8B model, whose head is 128k x 4096 Q8_0 (docs/benchmarks.md)."""
+    start of an 8B model, whose head is 128k x 4096 Q8_0 (docs/history/benchmarks-2026-12.md)."""
 
     def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
         if packed.dtype != torch.int8:

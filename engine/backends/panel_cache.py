@@ -316,7 +316,7 @@ class _HugePageWriter:
     Why: the page cache keeps a file written this way in 2 MiB folios, which a mapping then takes as 2 MiB pages.
     Written entry by entry, about half of an 8B model's cache file was left in smaller folios, and the one-row
     products over its panels took 3-4% longer than over fresh 2 MiB pages; all in 2 MiB folios, the same time
-    (``python -m loadtest.lab.panel_pages``, docs/benchmarks.md)."""
+    (``python -m loadtest.lab.panel_pages``, docs/history/benchmarks-2026-12.md)."""
 
     def __init__(self, fd: int) -> None:
         self.fd, self.piece, self.filled = fd, bytearray(HUGE_PAGE), 0

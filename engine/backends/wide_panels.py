@@ -4,9 +4,9 @@ Why: a product over compact panels (BF16, and the Q4, Q8 and other blocks of ``k
 rows than it computes in registers widens every panel slice into fp32 first, at every step; a step of a few streams
 is bound by the bytes it reads, where the compact panels win. On an AMD EPYC (Zen 4) a step's products over the
 default model's fp32 panels took 0.82x / 0.88x / 0.92x / 0.94x the time of its Q4 panels at 13 / 26 / 52 / 102 rows
-(docs/benchmarks.md). Where the fp32 copy is small, the process holds both, and a product of at least the row count
-from which start-up measured the fp32 panels faster (``from_rows``) reads those. Their values are the ones the
-widening gives (``kernels.cpu.widen_panels``), so either gives the same bits and tokens do not depend on which ran.
+(docs/history/benchmarks-2026-12.md). Where the fp32 copy is small, the process holds both, and a product of at least
+the row count from which start-up measured the fp32 panels faster (``from_rows``) reads those. Their values are the ones
+the widening gives (``kernels.cpu.widen_panels``), so either gives the same bits and tokens do not depend on which ran.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def timed(model: LlamaForCausalLM, taken: dict[Linear, Blocks], rows: tuple[int,
     (the best of turns they take, ``best_in_turns``).
     Over every such projection of as many layers as ``budget`` bytes of bfloat16 hold, as a step streams them. NOTE: the
     saving is in bytes read, which a small working set does not show: on a Xeon whose 2 cores share a large L3, ten
-    layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/benchmarks.md)."""
+    layers of SmolLM2 timed alike (0.99x) and all thirty 0.78x (docs/history/benchmarks-2026-12.md)."""
     name, pack_rival = rival
     made: dict[Linear, Panels] = {}
     weights: dict[str, list[Panels]] = {"widened": [], name: []}

@@ -36,7 +36,8 @@ class Linear(nn.Linear):
     all_reduce: Callable[[torch.Tensor], None] | None = None
     # A checkpoint's tensors of this weight (q, k and v of a fused one, in order), views of the files' mappings, while
     # ``weight`` waits on the meta device. Why: an 8B bfloat16 checkpoint's 15 GiB were copied into the weights at
-    # every start and then packed, or dropped where the panel cache held the panels (docs/benchmarks.md).
+    # every start and then packed, or dropped where the panel cache held the panels
+    # (docs/history/benchmarks-2026-12.md).
     parts: list[torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:

@@ -5,8 +5,8 @@ becomes the panel cache file's pages once that file is written.
 Why 2 MiB pages for the weights: packing an 8B Q4_K_M model's 4.9 GB of panels from the page cache took 11.5-12.7 s,
 and `perf` put 37% of the load's samples in the kernel zeroing fresh 4 KiB pages, one page fault each
 (``clear_page_erms``). A fresh tensor advised onto 2 MiB pages before anything touches it faults 512x fewer times:
-the same load took 9.0-10.9 s (docs/benchmarks.md). Serving was not measurably faster or slower for it. Where 2 MiB
-pages are off or the kernel refuses the advice, they are plain pages and nothing else changes.
+the same load took 9.0-10.9 s (docs/history/benchmarks-2026-12.md). Serving was not measurably faster or slower for it.
+Where 2 MiB pages are off or the kernel refuses the advice, they are plain pages and nothing else changes.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class PanelArena:
 
     Why: packed into fresh 2 MiB pages, an 8B Q4_K_M file's 4.7 GiB of panels took 9.7-10.4 s on a Xeon where plain
     pages took 4.8-5.6 s, the page faults taken inside the packing threads; but one-row products read plain pages
-    11% slower (docs/benchmarks.md). Packed on plain pages and remapped onto the cache file, which the page cache
-    keeps in 2 MiB folios, the panels are read through 2 MiB pages from then on, as at a later start.
+    11% slower (docs/history/benchmarks-2026-12.md). Packed on plain pages and remapped onto the cache file, which the
+    page cache keeps in 2 MiB folios, the panels are read through 2 MiB pages from then on, as at a later start.
 
     Invariant: every tensor ``take`` returns lies in [0, used) of the arena, at a page-aligned offset; the region
     is reserved, not committed (MAP_NORESERVE), so only the pages written cost memory."""

@@ -2,10 +2,10 @@
 
 On a GPU the engine's step for hundreds of streams takes a few milliseconds, and the API process (HTTP, the
 tokenizer, detokenizing, the SSE events, one Python thread) is what a client waits on: at 256 clients on the H200
-the steps were all under 60 ms while tokens reached the clients in bursts, a second late (docs/benchmarks.md).
-Here the engine process is replaced by one that answers every running request with a token each ``--step-ms`` (the
-prompt's own tokens in turn, so the detokenizer works on ordinary ids), so the API process's ceiling can be
-measured, and changed, on any machine:
+the steps were all under 60 ms while tokens reached the clients in bursts, a second late
+(docs/history/benchmarks-2026-12.md). Here the engine process is replaced by one that answers every running request with
+a token each ``--step-ms`` (the prompt's own tokens in turn, so the detokenizer works on ordinary ids), so the API
+process's ceiling can be measured, and changed, on any machine:
 
     python -m loadtest.lab.front_end --step-ms 5 --port 8100 &      # then, as against any server:
     python -m loadtest.serve --base-url http://127.0.0.1:8100 --num-prompts 512 --sweep-concurrency 256

@@ -1,10 +1,11 @@
 """The engine's own Python per step, with a model too small to matter: what a GPU's step pays on the host.
 
-On the H200 the default model's step at 256 clients was 52-61% "python + scheduling" (docs/benchmarks.md): the
-scheduler, the runner's inputs, the sampling settings and the update, per request per step. Here the same engine
-runs a 2-layer, 64-wide random Llama on the CPU, so that those phases, not the matmuls, fill the step, and a change
-to them can be timed on any machine. Each round admits ``--requests`` prompts of ``--prompt-len`` random ids and
-runs them greedily to ``--max-tokens`` tokens; it prints ms a step and each phase's ms a step.
+On the H200 the default model's step at 256 clients was 52-61% "python + scheduling"
+(docs/history/benchmarks-2026-12.md): the scheduler, the runner's inputs, the sampling settings and the update, per
+request per step. Here the same engine runs a 2-layer, 64-wide random Llama on the CPU, so that those phases, not the
+matmuls, fill the step, and a change to them can be timed on any machine. Each round admits ``--requests`` prompts of
+``--prompt-len`` random ids and runs them greedily to ``--max-tokens`` tokens; it prints ms a step and each phase's ms a
+step.
 
     python -m loadtest.lab.host_overhead --requests 256 --rounds 5
 """
