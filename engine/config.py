@@ -110,7 +110,7 @@ class EngineConfig:
     # start instead of packed again (engine/backends/panel_cache.py).
     panel_cache: bool = True
     # On a CPU in fp32, a small model keeps the fp32 panels of its compact ones (at most 1 GiB) for the steps of many
-    # rows, where start-up times them faster (engine/backends/wide_panels.py).
+    # rows, where start-up times them faster (engine/backends/fp32_panels.py).
     fp32_panels: bool = True
 
     def __post_init__(self) -> None:

@@ -227,15 +227,15 @@ def test_a_body_is_timed_again_once_started(kind, monkeypatch, tiny_model, small
 
 def test_no_fp32_body_is_timed_where_the_projections_run_on_the_tiles(monkeypatch, small_q4_k_m):
     """Split panels (fp32 on AMX tiles) are computed by no fp32 body: timing the bodies on them measured nothing."""
+    from engine.backends import amx_blocks
     from engine.backends import cpu as cpu_backend
-    from engine.backends import widened
 
     if "amx" not in cpu.bf16_dots() or len(cpu.f32_bodies()) < 2:
         pytest.skip("needs AMX tiles and two fp32 bodies")
     timed = []
     monkeypatch.setattr(cpu_backend, "_fastest_dot", lambda dots, use, *args: timed.append(args[-1]) or dots[0])
     for on_tiles in (True, False):
-        monkeypatch.setattr(widened, "faster", lambda _, on_tiles=on_tiles: on_tiles)
+        monkeypatch.setattr(amx_blocks, "faster", lambda _, on_tiles=on_tiles: on_tiles)
         timed.clear()
         engine = EngineCore(EngineConfig(model=str(small_q4_k_m), kv_cache_memory=4 << 20, max_model_len=256))
         engine.backend.after_start_up()
@@ -456,8 +456,8 @@ def _widened_and_bf16a_tokens(model: str | None, prompts: list,
     """Greedy tokens of ``model`` in bfloat16 on AMX tiles with its GGUF blocks as Q4A/Q6A/Q8A panels (True) and as
     BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
     with the number of weights from widened panels, and the lookups of a few token ids."""
+    from engine.backends import amx_blocks as widened_panels
     from engine.backends import cpu as cpu_backend
-    from engine.backends import widened as widened_panels
 
     def amx(dots: list[str], use, *_) -> str:
         use("amx")

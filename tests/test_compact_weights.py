@@ -265,7 +265,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 30, 70)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     results = []
-    monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen: (1, 256))
+    monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen: (1, 256))
     for enabled in ("1", "0"):
         for each in {switch for _, switch, _ in GRIDS.values()}:  # off: all of them (Q4_0 blocks fit Q8 panels too)
             monkeypatch.setenv(each, enabled)

@@ -108,7 +108,7 @@ def test_products_over_packed_blocks_equal_those_over_the_dequantized_weight(ggu
     dense = weight.dequantize()
     packed = cpu.pack_blocks(weight.kind, weight.values(), weight.d, weight.m, weight.sub)
     reference = cpu.pack_weight(dense)
-    assert torch.equal(cpu.widen_panels(packed), reference)  # the fp32 panels kept beside them (wide_panels.py)
+    assert torch.equal(cpu.widen_panels(packed), reference)  # the fp32 panels kept beside them (fp32_panels.py)
     torch.manual_seed(0)
     for rows in (1, 3, 4, 7, 33):  # in registers (up to 4 rows) and through unpacked slices (more)
         x = torch.randn(rows, 512)
@@ -238,12 +238,12 @@ def test_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gg
 def test_widened_panels_packed_from_the_files_bytes_equal_those_of_the_decoded_blocks(gguf_tensors, kind):
     """Q4A, Q6A and Q8A panels (bfloat16 on AMX) are written from the mapped blocks too, as the decoded blocks
     pack."""
-    from engine.backends import widened
+    from engine.backends import amx_blocks
 
     blocks = file_blocks(gguf_tensors[kind.name])
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
     for weight in (blocks, blocks.rows(order), blocks.rows(slice(0, 7))):
-        reference, ours = widened.panels(weight.decoded()), widened.panels(weight)
+        reference, ours = amx_blocks.panels(weight.decoded()), amx_blocks.panels(weight)
         assert ours.dtype == reference.dtype and torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
 
 
@@ -318,13 +318,13 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     the tiles in fp32 (Q4KS and Q6KS panels, test_split_tiles.py), the Q6_K LM head with them."""
     from transformers import AutoModelForCausalLM
 
-    from engine.backends import wide_panels, widened
+    from engine.backends import amx_blocks, fp32_panels
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     if on_tiles and "amx" not in cpu.bf16_dots():
         pytest.skip("the CPU has no AMX tiles")
-    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
+    monkeypatch.setattr(amx_blocks, "faster", lambda _: on_tiles)
     q4, q6 = ("Q4KS", "Q6KS") if on_tiles else ("Q4K", "Q6K")
     path = small_q4_k_m
     llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
@@ -341,10 +341,10 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     assert formats["layers.0.mlp.down_proj"] == q6 and formats["layers.1.mlp.down_proj"] == q4
     assert formats["lm_head"] == q6 and formats["layers.0.mlp.gate_up_proj"] == q4
     # the blocks stay packed: the ledger's weights are theirs, and the fp32 panels a model this small may keep
-    # beside them for steps of many rows (wide_panels.py, bounded)
+    # beside them for steps of many rows (fp32_panels.py, bounded)
     wide = llm.engine.backend.wide_bytes
     assert llm.engine.memory_ledger.weights - wide < 1.25 * path.stat().st_size
-    assert wide <= wide_panels.MAX_BYTES and (wide > 0) == (llm.engine.backend.wide_rows > 0)
+    assert wide <= fp32_panels.MAX_BYTES and (wide > 0) == (llm.engine.backend.wide_rows > 0)
 
     prompts = [[(37 * i + 101 * j) % 49000 + 5 for j in range(6 + 7 * i)] for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))

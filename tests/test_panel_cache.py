@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.backends import amx_blocks, panel_cache
 from engine.backends import cpu as cpu_backend
-from engine.backends import panel_cache, widened
 from engine.backends.panel_cache import PanelCache
 from engine.engine_core import EngineCore
 from engine.gguf_weights import iter_gguf_weights
@@ -62,7 +62,7 @@ def test_a_second_start_maps_the_panels_the_first_packed_and_serves_the_same_tok
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
     # both starts take the same body for the blocks where AMX offers one (fp32 on tiles, Q4KS/Q6KS; else the FMAs),
     # whatever their timing reads: each start packs or maps the panels of the body it took
-    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
+    monkeypatch.setattr(amx_blocks, "faster", lambda _: on_tiles)
     options = dict(max_model_len=256, kv_cache_memory=16 << 20, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

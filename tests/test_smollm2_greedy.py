@@ -4,8 +4,8 @@ is in the batch, with requests joining mid-flight, under preemption and under ch
 import pytest
 import torch
 
+from engine.backends import amx_blocks
 from engine.backends import cpu as cpu_backend
-from engine.backends import widened
 from engine.backends.greedy_head import Int8ScreenedHead
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -54,7 +54,7 @@ def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected, monkeypa
     panels; start-up's timing overruled): each gives transformers' tokens, whatever else is in the batch."""
     if on_tiles and "amx" not in cpu.bf16_dots():
         pytest.skip("the CPU has no AMX tiles")
-    monkeypatch.setattr(widened, "faster", lambda _: on_tiles)
+    monkeypatch.setattr(amx_blocks, "faster", lambda _: on_tiles)
     engine = engine_with()
     layer = engine.model.layers[0]
     if engine.backend.name == "cpu":  # the GGUF's Q4_1 projections and Q8_0 head (test_compact_weights.py)
@@ -72,7 +72,7 @@ def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected, monkeypa
 def test_greedy_tokens_from_the_int8_screen(prompt_ids, expected, monkeypatch):
     """The Q8_0 head's int8 screen, taken here whatever start-up timing would choose: plain greedy steps of every
     batch size never compute the full logits, and the tokens are transformers' (the exact head's)."""
-    monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen: (1, 64))
+    monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen: (1, 64))
     engine = engine_with()
     screen = engine.backend.greedy_head
     assert isinstance(screen, Int8ScreenedHead) and (screen.min_rows, screen.max_rows) == (1, 64)
@@ -91,7 +91,7 @@ def test_the_int8_screen_is_timed_again_once_started(monkeypatch):
     that choice: a screen timed slower at first is taken up, and one timed faster dropped."""
     for first, again in (((0, 0), (4, 256)), ((1, 256), (0, 0))):
         timings = iter((first, again))
-        monkeypatch.setattr(cpu_backend, "screen_rows", lambda screen, timings=timings: next(timings))
+        monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen, timings=timings: next(timings))
         engine = engine_with()
         backend = engine.backend
         assert isinstance(backend.int8_screen, Int8ScreenedHead)

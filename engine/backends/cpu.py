@@ -8,7 +8,7 @@ What it does with a model (``prepare``):
 - fp32: every projection's weight is packed into panels in the fewest bytes that hold it exactly: Q4, Q8 or BF16
   where the values allow, else fp32 (``pack_weight_compact``); the products are bit for bit those of fp32 panels;
   where those fp32 panels are small beside the memory, they are kept too, and products of as many rows as start-up
-  timed them faster from read them instead (``wide_panels.py``);
+  timed them faster from read them instead (``fp32_panels.py``);
 - the LM head is packed the same way, and the token lookups read its panels when it is tied, so no row-major table
   is kept beside them;
 - a GGUF file's blocks are packed as they are, or mapped from a cache file of the panels an earlier start packed
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.backends import wide_panels, widened
+from engine.backends import amx_blocks, fp32_panels
 from engine.backends.base import TorchBackend
 from engine.backends.decoder_layers import decoder_of
 from engine.backends.gemm_plan import (
@@ -45,7 +45,7 @@ from engine.backends.gemm_plan import (
     matmul_peak_gflops,
     measure_plan,
 )
-from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_rows
+from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_row_range
 from engine.backends.packed_linear import PackedLinear, SplitLinear
 from engine.backends.panel_cache import PanelCache
 from engine.model_loader import cache_root
@@ -127,7 +127,7 @@ class CpuBackend(TorchBackend):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.decoder: Decoder | None = None
-        self.wide_decoder: Decoder | None = None  # the same layers over their fp32 panels (wide_panels.py)
+        self.wide_decoder: Decoder | None = None  # the same layers over their fp32 panels (fp32_panels.py)
         self.wide_rows = 0  # from how many rows on the products read the fp32 panels (timed; 0: none kept)
         self.wide_bytes = 0  # and those panels' bytes (in the ledger's weights)
         self.greedy_head: ScreenedGreedyHead | Int8ScreenedHead | None = None
@@ -165,7 +165,7 @@ class CpuBackend(TorchBackend):
         first = model.layers[0]
         quantized = first.mlp.gate_up_proj.quantized is not None
         # a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights, kept as blocks for AMX to widen if that times faster
-        blocks = widened.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
+        blocks = amx_blocks.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to
         # bfloat16); a tied one keeps them while the head's may be widened, whose panels the lookups then read
         tied = model.tie_word_embeddings
@@ -202,7 +202,7 @@ class CpuBackend(TorchBackend):
                 module.weight = torch.nn.Parameter(source.dequantize(self.dtype), requires_grad=False)
                 if module is model.lm_head and tied:  # one table for both, as dequantize_weights keeps it
                     model.embed_tokens.weight, model.embed_tokens.quantized = module.weight, None
-                widened.release(source)
+                amx_blocks.release(source)
         self.widened_panels = len(kernels) if bf16 else 0
         for name, module in model.named_modules():
             if isinstance(module, Linear) and module in kernels:
@@ -266,8 +266,8 @@ class CpuBackend(TorchBackend):
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
             self.argmax_head = kernel
         if not bf16 and self.config.fp32_panels:
-            self.wide_rows = wide_panels.attach(model, self._free_memory())
-            self.wide_bytes = wide_panels.held_bytes(model)
+            self.wide_rows = fp32_panels.attach(model, self._free_memory())
+            self.wide_bytes = fp32_panels.held_bytes(model)
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
         # cannot; its steps go through the modules, whose products are the same panels.
         if self.config.tensor_parallel_size == 1:
@@ -277,44 +277,44 @@ class CpuBackend(TorchBackend):
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
         """The products of ``blocks`` from their Q4A/Q6A/Q8A panels where start-up times those faster than BF16A
-        panels (``widened.py``), packed a weight at a time with its file pages handed back after; else none."""
+        panels (``amx_blocks.py``), packed a weight at a time with its file pages handed back after; else none."""
         bf16a = ("BF16A", lambda b: cpu_kernels.pack_weight_bf16a(b.dequantize(self.dtype)))
-        made, seconds = widened.timed(model, blocks, BF16_DOT_ROWS, bf16a)
-        if not widened.faster(seconds):
+        made, seconds = amx_blocks.timed(model, blocks, BF16_DOT_ROWS, bf16a)
+        if not amx_blocks.faster(seconds):
             return {}
         kernels = {}
         for module, source in blocks.items():
-            kernels[module] = _panel_kernel(made.pop(module) if module in made else widened.panels(source), source)
-            widened.release(source)
+            kernels[module] = _panel_kernel(made.pop(module) if module in made else amx_blocks.panels(source), source)
+            amx_blocks.release(source)
         return kernels
 
     def _split_kernels(self, model: LlamaForCausalLM) -> dict[Linear, PackedLinear | SplitLinear]:
         """The products of a GGUF file's blocks that widened panels hold (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Q5_0) in an
         fp32 process from Q4S, Q6S and Q8S panels, computed on AMX tiles to fp32's accuracy (``kernels/cpu/amx.c``),
-        where start-up times those faster than their block panels' FMAs on the first layers (``widened.timed``);
+        where start-up times those faster than their block panels' FMAs on the first layers (``amx_blocks.timed``);
         else none, and the blocks stay with their modules. Each weight's format is one body for every batch size,
         so tokens do not depend on the batch."""
         modules = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head
-                   and widened.kind_of(m.quantized)]
+                   and amx_blocks.kind_of(m.quantized)]
         if not modules:
             return {}
         # NOTE: an LM head of Q8 panels (Q8_0) keeps them for its int8 screen (greedy_head.py), which start-up
         # times against the exact head; a Q4 or Q6 head (a Q4_K_M file's Q6_K output) has no screen, and its full
         # product at every step took 28% of a 1B model's 16-client step on the FMAs, so it follows the layers.
-        if widened.kind_of(model.lm_head.quantized) in ("q4", "q6"):
+        if amx_blocks.kind_of(model.lm_head.quantized) in ("q4", "q6"):
             modules.append(model.lm_head)
         pack = _each_part(partial(_pack_split, cache=self.panel_cache))
         rival = _each_part(partial(_pack_quantized, cache=self.panel_cache))
-        made, seconds = widened.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack,
+        made, seconds = amx_blocks.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack,
                                       SPLIT_TIMING_BYTES)
-        self.split_body = "tiles" if widened.faster(seconds) else "FMAs"
+        self.split_body = "tiles" if amx_blocks.faster(seconds) else "FMAs"
         if self.split_body != "tiles":
             return {}
         kernels = {}
         for module in modules:
             blocks = module.take_quantized()
             kernels[module] = _panel_kernel(made.pop(module) if module in made else pack(blocks), blocks)
-            widened.release(blocks)
+            amx_blocks.release(blocks)
         return kernels
 
     def _int8_activations(self) -> bool:
@@ -366,11 +366,11 @@ class CpuBackend(TorchBackend):
 
     def _time_screen(self) -> None:
         """Time the LM head's int8 screen, where it has one, against its exact product: the greedy head for the row
-        counts at which it measured faster (``screen_rows``), else none."""
+        counts at which it measured faster (``screen_row_range``), else none."""
         screen = self.int8_screen
         if screen is None:
             return
-        screen.min_rows, screen.max_rows = screen_rows(screen)
+        screen.min_rows, screen.max_rows = screen_row_range(screen)
         logger.info("greedy tokens from the LM head's int8 screen: %s", f"at {screen.min_rows}-{screen.max_rows} rows"
                     if screen.max_rows else "not faster than the exact head here")
         self.greedy_head = screen if screen.max_rows else None
@@ -536,20 +536,21 @@ def _pack_quantized(weight: FileBlocks | QuantizedWeight, cache: PanelCache | No
 
 
 def _pack_split(weight: FileBlocks | QuantizedWeight, cache: PanelCache | None = None) -> torch.Tensor:
-    """Q4S, Q6S or Q8S panels of blocks (``widened.split_panels``): ``cache``'s, where an earlier start packed them."""
+    """Q4S, Q6S or Q8S panels of blocks (``amx_blocks.split_panels``): ``cache``'s, where an earlier start packed
+    them."""
     if isinstance(weight, FileBlocks) and cache is not None:
-        return cache.pack(weight, partial(widened.split_panels, weight), kind="split")
-    return widened.split_panels(weight)
+        return cache.pack(weight, partial(amx_blocks.split_panels, weight), kind="split")
+    return amx_blocks.split_panels(weight)
 
 
-def _each_part(pack: Callable[[FileBlocks | QuantizedWeight], torch.Tensor]) -> Callable[[Blocks], widened.Panels]:
+def _each_part(pack: Callable[[FileBlocks | QuantizedWeight], torch.Tensor]) -> Callable[[Blocks], amx_blocks.Panels]:
     """``pack`` over blocks, or over each part of a fused projection of two types (a head's panels and a tail's)."""
-    def packed(weight: Blocks) -> widened.Panels:
+    def packed(weight: Blocks) -> amx_blocks.Panels:
         return (pack(weight.head), pack(weight.tail)) if isinstance(weight, SplitBlocks) else pack(weight)
     return packed
 
 
-def _panel_kernel(packed: widened.Panels, blocks: Blocks) -> PackedLinear | SplitLinear:
+def _panel_kernel(packed: amx_blocks.Panels, blocks: Blocks) -> PackedLinear | SplitLinear:
     """The product of a weight's panels, or of a fused projection's head's and tail's (``SplitLinear``)."""
     if isinstance(packed, tuple):
         n = blocks.head.shape[0]

@@ -34,7 +34,7 @@ def _fused(name: str, layer: Linear, wide: bool) -> dict[str, torch.Tensor | int
 
 def decoder_of(model: LlamaForCausalLM, int8_activations: bool, wide: bool = False) -> Decoder:
     """The model's packed layers, described for the one-call C decoder: over their fp32 panels where ``wide``
-    (``wide_panels.py``)."""
+    (``fp32_panels.py``)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     shape = DecoderShape(
         hidden=model.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,

@@ -92,7 +92,7 @@ class ScreenedGreedyHead:
         return None if bool((tokens < 0).any()) else tokens
 
 
-# Row counts at which start-up times a block head's int8 screen against its exact product (``screen_rows``), up
+# Row counts at which start-up times a block head's int8 screen against its exact product (``screen_row_range``), up
 # to the first whose exact call takes longer than SCREEN_TIMING_CALL_S: a real-size model's head (128k x 4096 as
 # Q8_0) would spend seconds of every start on its larger counts, which then keep the exact head.
 SCREEN_TIMING_ROWS = (1, 4, 16, 64, 256)
@@ -114,14 +114,15 @@ class Int8ScreenedHead:
     one g more than the sum needs, rounded up by a relative 2^-20. E is measured per row from the very rounding the
     product applies (``q8x_rounding_error``). The columns whose bound reaches the best lower bound are recomputed
     exactly (``screened_argmax``: a median of 1 a row, p90 23, on SmolLM2's hidden states), so the token is the
-    exact head's. Building it (the columns' norms, ``row_norms``) and timing it (``screen_rows``) took 1.4 s of the
+    exact head's. Building it (the columns' norms, ``row_norms``) and timing it (``screen_row_range``) took 1.4 s of the
     start of an 8B model, whose head is 128k x 4096 Q8_0 (docs/history/benchmarks-2026-12.md)."""
 
     def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
         if packed.dtype != torch.int8:
             raise ValueError(f"an int8 screen takes Q8 panels, got {packed.dtype}")
         self.packed, self.vocab_size = packed, vocab_size
-        self.min_rows, self.max_rows = 1, 1 << 30  # every batch size, until start-up's timing narrows it (screen_rows)
+        # every batch size, until start-up's timing narrows it (screen_row_range)
+        self.min_rows, self.max_rows = 1, 1 << 30
         self.error = cpu_kernels.row_norms(packed, vocab_size) * (1 + 2.0**-20)
         if not torch.isfinite(self.error).all():
             raise ValueError("the LM head has non-finite weights")
@@ -157,7 +158,7 @@ class Int8ScreenedHead:
         return (rounding * (1 + 2 * g) + 3 * g * hidden.double().norm(dim=1)) * (1 + 2.0**-20)
 
 
-def screen_rows(screen: Int8ScreenedHead) -> tuple[int, int]:
+def screen_row_range(screen: Int8ScreenedHead) -> tuple[int, int]:
     """The batch sizes for which ``screen`` measured faster than the exact head and its argmax: the first run of
     ``SCREEN_TIMING_ROWS`` at each of which it won, as (fewest, most) rows, or (0, 0). Each call finds the head out
     of the caches, as a step does after streaming the layers' weights: one row is bound by reading the head either

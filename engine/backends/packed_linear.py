@@ -17,7 +17,7 @@ class PackedLinear:
     packed: torch.Tensor  # [panels, K, P] in one of kernels.cpu.WEIGHT_FORMATS
     out_features: int
     int8_activations: bool = False  # a GGUF file's blocks times int8 activations (--quantized-matmul int8)
-    # compact panels' fp32 panels, which products of at least wide_rows rows read instead (wide_panels.py)
+    # compact panels' fp32 panels, which products of at least wide_rows rows read instead (fp32_panels.py)
     wide: torch.Tensor | None = None
     wide_rows: int = 0
 

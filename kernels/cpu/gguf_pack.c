@@ -105,7 +105,9 @@ static void put_block32(int type, const uint8_t *src, uint8_t *block, int nr, in
         case T_Q4_0: d = half_at(src), m = -8 * d; break;
         case T_Q4_1: d = half_at(src), m = half_at(src + 2); break;
         case T_Q5_0: d = half_at(src), q5_0_values(src, v); break; /* d (q - 16): Q8 panels' int8 */
-        case T_Q5_1: d = half_at(src), m = half_at(src + 2), split_nibbles(src + 8, v), add_high_bits(src + 4, v); break;
+        case T_Q5_1:
+            d = half_at(src), m = half_at(src + 2), split_nibbles(src + 8, v), add_high_bits(src + 4, v);
+            break;
         default: d = half_at(src), memcpy(v, src + 2, GROUP); break; /* Q8_0 */
         }
     }

@@ -176,10 +176,12 @@ void hp_linear_bf16c(const float *x, int64_t ldx, const void *packed, const floa
         int m1 = m0 + block < M ? m0 + block : M;
         if (bf16_dot != HP_BF16_FMA) {
 #pragma omp parallel for schedule(guided)
-            for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);
+            for (int p = 0; p < (N + NR - 1) / NR; p++)
+                panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);
         } else {
 #pragma omp parallel for schedule(guided)
-            for (int p = 0; p < (N + NR - 1) / NR; p++) panel_product_bf16c_fma(p, m0, m1, a, packed, bias, y, ldy, N, K);
+            for (int p = 0; p < (N + NR - 1) / NR; p++)
+                panel_product_bf16c_fma(p, m0, m1, a, packed, bias, y, ldy, N, K);
         }
     }
 }

@@ -80,7 +80,7 @@ void hp_q8x_rounding_error(const float *x, int64_t ldx, int M, int K, double *er
 static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8i acc[NV], const struct q8x_row *a,
                                                              int b, int h, const v8f d[NV], const v8f m[NV],
                                                              float offset, int format) {
-    const int halves = q8x_halves(format);
+    const int halves = scales_per_half(format);
     const int32_t *sums = a->sums + 2 * b;
     const float sum = (float)(halves ? sums[h] : sums[0] + sums[1]);
     const v8f dx = splat8(a->d[b]), dsum = splat8(a->d[b] * sum);
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8
     do {                                                                                                              \
         const int unsigned_bytes_ = !block_nibbles(format) && (dot) == Q8X_VNNI;                                      \
         const v8i offset_bits_ = splat8i(unsigned_bytes_ ? (int)0x80808080 : 0);                                      \
-        const int halves_ = q8x_halves(format);                                                                       \
+        const int halves_ = scales_per_half(format);                                                                   \
         /* maddubs on nibbles: a 32-k block's 8 words summed in 16 bits (8 x 2 x 15 x 127 = 30480), widened once */   \
         const int sums16_ = (dot) == Q8X_MADDUBS && ((format) == Q4_PANELS || (format) == Q4K_PANELS);                \
         /* Q6K's q + 32, Q5's and Q5K's q (0..31): unsigned bytes, their pairs widened each word */                  \

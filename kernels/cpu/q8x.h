@@ -39,7 +39,7 @@ static inline __attribute__((always_inline)) void q8x_weights(const v8iu *words,
 }
 
 /* Whether a block format's weight scales are per 16 k (Q6K, Q6M), so its integer sums are folded per half block. */
-static inline int q8x_halves(int format) { return format == Q6K_PANELS || format == Q6M_PANELS; }
+static inline int scales_per_half(int format) { return format == Q6K_PANELS || format == Q6M_PANELS; }
 
 /* The Q8X products of a block format (of panels.h) on AMX tiles for all M rows: the bits of the dot-product bodies.
  * Only where hp_q8x_tiles_available() (ops.h). */

@@ -28,7 +28,7 @@ static inline __attribute__((always_inline)) void q8x_fix_up_row(float *c, const
                                                                  int b, int h, const struct q8x_scales *sc, int fold,
                                                                  float offset, int format) {
     const int32_t *sums = a->sums + 2 * b;
-    const float sum = (float)(q8x_halves(format) ? sums[h] : sums[0] + sums[1]), dx = a->d[b], dsum = dx * sum;
+    const float sum = (float)(scales_per_half(format) ? sums[h] : sums[0] + sums[1]), dx = a->d[b], dsum = dx * sum;
     const int with_m = format != Q6K_PANELS && block_with_m(format); /* Q6K's m is taken off in the integers */
     const float *d = (const float *)sc->d[fold], *m = (const float *)sc->m[fold];
     __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(s));
@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) void q8x_amx_slice(const struct q8x
     struct q8x_scales scales[KC / Q8_GROUP];
     int32_t sums[2 * 16 * 32] __attribute__((aligned(64))); /* two jobs' tile sums, rows 32 apart */
     float c[16 * 32] __attribute__((aligned(64)));      /* its float sums, the same layout */
-    const int blocks = kc / Q8_GROUP, halves = q8x_halves(format), step = halves ? 16 : Q8_GROUP;
+    const int blocks = kc / Q8_GROUP, halves = scales_per_half(format), step = halves ? 16 : Q8_GROUP;
     const int64_t lda = K; /* a row's int8 words, K bytes, the next row's after them (linear_q8x) */
     const float offset = format == Q6K_PANELS ? 32.0f : 0.0f;
     for (int i = 0; i < blocks; i++) {
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void panel_product_q8x_amx(int p, c
 
 #define Q8X_AMX_LOOP(format)                                                                                          \
     _Pragma("omp parallel") {                                                                                         \
-        hp_amx_load_config(M < 16 ? M : 16, NR, q8x_halves(format) ? 8 : 16);                                         \
+        hp_amx_load_config(M < 16 ? M : 16, NR, scales_per_half(format) ? 8 : 16);                                     \
         _Pragma("omp for schedule(guided)") for (int p = 0; p < (N + NR - 1) / NR; p++)                               \
             panel_product_q8x_amx(p, rows, M, packed, bias, y, ldy, N, K, format);                                    \
         _tile_release();                                                                                              \

@@ -41,31 +41,32 @@ CANDIDATE_ROWS = (16, 32, 64)  # and the first row count past the registers (ker
 TIMING_TURNS = 4
 
 
-def widenable(part: PackedLinear) -> bool:
+def has_compact_panels(part: PackedLinear) -> bool:
     """Whether ``part`` is a product of exact compact panels, whose fp32 panels ``kernels.cpu.widen_panels`` makes."""
     return not part.int8_activations and part.packed.dtype in cpu_kernels.COMPACT_DTYPES
 
 
 def fp32_bytes(kernel: Kernel) -> int:
     """The bytes of the fp32 panels of ``kernel``'s compact parts."""
-    sizes = (cpu_kernels.packed_geometry(part.packed) for part in kernel.parts if widenable(part))
+    sizes = (cpu_kernels.packed_geometry(part.packed) for part in kernel.parts if has_compact_panels(part))
     return sum(4 * in_features * columns for in_features, columns in sizes)
 
 
-def widened(kernel: Kernel, from_rows: int = 0) -> Kernel:
+def with_fp32_panels(kernel: Kernel, from_rows: int = 0) -> Kernel:
     """``kernel`` with the fp32 panels of its compact parts, read from ``from_rows`` rows on."""
     if isinstance(kernel, SplitLinear):
-        return replace(kernel, head=widened(kernel.head, from_rows), tail=widened(kernel.tail, from_rows))
-    if not widenable(kernel):
+        return replace(kernel, head=with_fp32_panels(kernel.head, from_rows),
+                       tail=with_fp32_panels(kernel.tail, from_rows))
+    if not has_compact_panels(kernel):
         return kernel
     wide = kernel.wide if kernel.wide is not None else cpu_kernels.widen_panels(kernel.packed)
     return replace(kernel, wide=wide, wide_rows=from_rows)
 
 
-def narrowed(kernel: Kernel) -> Kernel:
+def without_fp32_panels(kernel: Kernel) -> Kernel:
     """``kernel`` without fp32 panels."""
     if isinstance(kernel, SplitLinear):
-        return replace(kernel, head=narrowed(kernel.head), tail=narrowed(kernel.tail))
+        return replace(kernel, head=without_fp32_panels(kernel.head), tail=without_fp32_panels(kernel.tail))
     return replace(kernel, wide=None, wide_rows=0)
 
 
@@ -84,12 +85,12 @@ def attach(model: LlamaForCausalLM, free: int) -> int:
     for module in modules:  # the first layers' (the LM head is last)
         if size >= TIMING_BYTES:
             break
-        module.kernel = widened(module.kernel)
+        module.kernel = with_fp32_panels(module.kernel)
         timed.append(module.kernel)
         size += fp32_bytes(module.kernel)
     rows = from_rows(timed)
     for module in modules:
-        module.kernel = widened(module.kernel, rows) if rows else narrowed(module.kernel)
+        module.kernel = with_fp32_panels(module.kernel, rows) if rows else without_fp32_panels(module.kernel)
     if rows:
         logger.info("fp32 panels beside the compact ones (%.0f MiB), read from %d rows on", total / 2**20, rows)
     return rows

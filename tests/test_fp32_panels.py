@@ -1,4 +1,4 @@
-"""fp32 panels kept beside compact ones (engine/backends/wide_panels.py): the values the products widen the compact
+"""fp32 panels kept beside compact ones (engine/backends/fp32_panels.py): the values the products widen the compact
 panels to, so the same bits, logprobs and tokens whichever a step reads; kept only where they fit and where
 start-up timed them faster, from the row count it found."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.backends import wide_panels
+from engine.backends import fp32_panels
 from engine.backends.packed_linear import PackedLinear
 from kernels import cpu
 from tests.conftest import quick
@@ -40,15 +40,15 @@ def test_panels_that_are_not_compact_are_not_widened():
 def test_the_row_count_is_the_fewest_from_which_fp32_panels_won_at_every_larger_one(monkeypatch):
     """Timed from the most rows down, the first loss ends the search: a win below it is not taken."""
     kernel = PackedLinear(cpu.pack_weight_compact(GRIDS["q4"][0](torch.randn(30, 64))), 30)
-    kernels = [wide_panels.widened(kernel)]
-    candidates = sorted({cpu.register_rows() + 1, *wide_panels.CANDIDATE_ROWS})
+    kernels = [fp32_panels.with_fp32_panels(kernel)]
+    candidates = sorted({cpu.register_rows() + 1, *fp32_panels.CANDIDATE_ROWS})
 
     def timed(wins: set[int]) -> int:
         def best_in_turns(fns, turns):
             rows = next(iter(fns["fp32"].args[1].values())).shape[0]
             return {"compact": 1.0, "fp32": 0.5 if rows in wins else 2.0}
-        monkeypatch.setattr(wide_panels, "best_in_turns", best_in_turns)
-        return wide_panels.from_rows(kernels)
+        monkeypatch.setattr(fp32_panels, "best_in_turns", best_in_turns)
+        return fp32_panels.from_rows(kernels)
 
     assert timed(set(candidates)) == candidates[0]
     assert timed(set(candidates[1:])) == candidates[1]
@@ -59,7 +59,7 @@ def test_the_row_count_is_the_fewest_from_which_fp32_panels_won_at_every_larger_
 def _engine(monkeypatch, rows: int, **options) -> LLM:
     """The default model in fp32, start-up's timing of the fp32 panels overruled: read from ``rows`` on (0: none)."""
     with monkeypatch.context() as patch:
-        patch.setattr(wide_panels, "from_rows", lambda kernels: rows)
+        patch.setattr(fp32_panels, "from_rows", lambda kernels: rows)
         return LLM(None, **quick(dtype="float32", gemm_kernels="c", **options))
 
 
@@ -89,7 +89,7 @@ def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_c
         assert all((m.kernel.wide is not None) == (rows > 0) and m.kernel.packed.dtype in cpu.COMPACT_DTYPES
                    for m in linears)
         assert (backend.wide_decoder is not None) == (rows > 0)
-        fp32 = sum(wide_panels.fp32_bytes(m.kernel) for m in linears)
+        fp32 = sum(fp32_panels.fp32_bytes(m.kernel) for m in linears)
         assert 500 << 20 < fp32 < 520 << 20 and backend.wide_bytes == (fp32 if rows else 0)
         assert llm.engine.memory_ledger.weights > backend.wide_bytes  # counted in the weights
         if rows:
@@ -108,7 +108,7 @@ def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_c
 @pytest.mark.parametrize("why", ["too large", "turned off"])
 def test_fp32_panels_are_kept_only_where_they_fit_and_are_asked_for(monkeypatch, why):
     if why == "too large":
-        monkeypatch.setattr(wide_panels, "MAX_BYTES", 100 << 20)  # the default model's take 513 MiB
+        monkeypatch.setattr(fp32_panels, "MAX_BYTES", 100 << 20)  # the default model's take 513 MiB
     llm = _engine(monkeypatch, 9, **({"fp32_panels": False} if why == "turned off" else {}))
     backend = llm.engine.backend
     assert backend.wide_rows == 0 and backend.wide_decoder is None and backend.wide_bytes == 0
