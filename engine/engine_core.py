@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.backends import resolve_dtype, select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kernel_plan import KernelPlan, plan_kernels
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.limits import EngineLimits
 from engine.memory_ledger import LedgerProbe, MemoryLedger, held_tensor_bytes
@@ -91,6 +92,8 @@ class EngineCore:
         logger.info("loaded %s (%s, %s, %s%s) in %.1f s", self.model_name, self.dtype, self.device,
                     self.backend.describe(), f", tensor parallel over {tp} ranks" if tp > 1 else "",
                     time.monotonic() - started)
+        # the choices made while packing; the engine adds the kernels' open ones and its own at start-up (_warm_up)
+        self.kernel_plan = KernelPlan(tuple(self.backend.packing_choices()))
 
         self.kv_cache = self._allocate_kv_cache()
         if self.tp_workers is not None:
@@ -109,13 +112,23 @@ class EngineCore:
         self.timelines: Timelines | None = None  # made once warmed up: the start-up's made-up prompts are not kept
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
                                         self.max_model_len, self.tp_workers)
+        # NOTE: before the warm-up's workspace is measured: the timings' buffers (the screen's cache flush) are no
+        # step's workspace
+        self.kernel_plan = self.kernel_plan.with_rows(plan_kernels(self.backend))
         probe.measure_workspace(self._warm_up)
         self.timelines = Timelines(config.request_timelines) if config.request_timelines else None
         self.memory_ledger = self._memory_ledger(probe)
         for line in self.memory_ledger.lines():
             logger.info(line)
         if own_process:
+            # NOTE: the kernels' choices timed again, now that the API process has loaded: they keep the same bits,
+            # so they can change here. Timed while it loaded (2 cores), one server read "vnni 0.56, maddubs 0.44" ms
+            # (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16 and 64 clients
+            # than the next start, which kept VNNI; five starts of the default server kept the int8 screen at 1-1,
+            # 1-1, 1-16, 1-256 and 4-256 rows, an idle process 4-256 five times in six (docs/history/).
+            self.kernel_plan = self.kernel_plan.with_rows(plan_kernels(self.backend))
             self.backend.after_start_up()
+            logger.info("kernel plan, timed again once started:\n%s", self.kernel_plan.table())
         self.backend.started()
 
     @property
@@ -145,14 +158,18 @@ class EngineCore:
         return time.perf_counter() - start
 
     def _warm_up(self) -> None:
-        """Before the first request, what the backend says it needs (``engine/start_up.py``): a CPU's step budget
-        timed, unless the user set one; a GPU's eager kernels compiled and loaded by bursts of made-up prompts."""
+        """Before the first request, once the kernels' open choices are timed (``engine/kernel_plan.py``), what the
+        backend says it needs (``engine/start_up.py``): a CPU's step budget timed, unless the user set one; a GPU's
+        eager kernels compiled and loaded by bursts of made-up prompts. The plan is logged as a table."""
         if self.backend.sizes_token_budget() and self.config.max_num_batched_tokens is None:
             room = probe_room(self.max_model_len, self.kv_cache.num_blocks, self.config.block_size)
             budget = size_cpu_token_budget(self.serve_made_up_prompts, room, self.config.block_size)
             if budget is not None:
                 self.max_num_batched_tokens = self.scheduler.max_num_batched_tokens = budget.max_num_batched_tokens
                 self.scheduler.step_fixed_tokens = budget.step_fixed_tokens
+                self.kernel_plan = self.kernel_plan.with_rows([budget.row()])
+        if self.kernel_plan.rows:
+            logger.info("kernel plan:\n%s", self.kernel_plan.table())
         smallest = self.backend.warm_up_down_to(self.max_model_len)
         if smallest is not None:
             most, length = burst_room(self.config.max_num_seqs, self.kv_cache.num_blocks, self.config.block_size,

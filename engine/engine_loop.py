@@ -48,6 +48,8 @@ def engine_info(engine: EngineCore) -> EngineInfo:
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         backend=engine.backend.describe(),
         gemm_plan=plan.as_dict() if (plan := getattr(engine.backend, "plan", None)) is not None else None,
+        kernel_plan=tuple(engine.kernel_plan.as_dict()),
+        kernel_plan_labels=engine.kernel_plan.labels(),
         request_timelines=engine.config.request_timelines,
     )
 

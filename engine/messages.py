@@ -55,6 +55,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end a generation (a grammar allows them once complete)
     backend: str = ""  # which backend runs the steps, and how (TorchBackend.describe)
     gemm_plan: dict | None = None  # a CPU backend's measured GEMM plan (engine/backends/gemm_plan.py), its ISA
+    kernel_plan: tuple[dict, ...] = ()  # every choice start-up made, with what it measured (engine/kernel_plan.py)
+    kernel_plan_labels: str = ""  # the same, name=chosen;... (the /metrics info series' label)
     request_timelines: int = 0  # finished requests whose timelines the engine keeps (engine/timeline.py)
 
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.kernel_plan import PlanRow
 from kernels import cdiv
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,20 @@ class MadeUpPrompts(Protocol):
 @dataclass(frozen=True)
 class TokenBudget:
     """A CPU step's token budget as start-up timed it, and a step's fixed cost in tokens' worth
-    (``Scheduler.step_fixed_tokens``)."""
+    (``Scheduler.step_fixed_tokens``), with what they were sized from: a prefill step of ``probe_tokens`` tokens at
+    ``seconds_per_token``."""
 
     max_num_batched_tokens: int
     step_fixed_tokens: float
+    probe_tokens: int = 0
+    seconds_per_token: float = 0.0
+
+    def row(self) -> PlanRow:
+        """The budget as a row of the engine's plan."""
+        return PlanRow("step token budget", str(self.max_num_batched_tokens),
+                       {f"a token of {self.probe_tokens}": self.seconds_per_token},
+                       f"prefill steps, a step of ~{CPU_STEP_TARGET_S} s",
+                       f"fixed cost {self.step_fixed_tokens:.1f} tokens")
 
 
 def probe_room(max_model_len: int, num_blocks: int, block_size: int) -> int:
@@ -115,7 +126,7 @@ def size_cpu_token_budget(serve: MadeUpPrompts, room: int, block_size: int) -> T
     budget = cpu_token_budget(per_token, block_size)
     logger.info("token budget %d per step (a prefill step of %d tokens took %.1f ms: %.2f ms per token); a step's "
                 "fixed cost %.1f tokens' worth", budget, n, per_token * n * 1000, per_token * 1000, fixed)
-    return TokenBudget(budget, fixed)
+    return TokenBudget(budget, fixed, n, per_token)
 
 
 def burst_room(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, int]:

@@ -38,6 +38,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.backends import select_backend
 from engine.config import EngineConfig
+from engine.kernel_plan import plan_kernels
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import load_config, resolve_model
 from engine.models import load_model
@@ -202,6 +203,7 @@ def run_worker(args: WorkerArgs, pipe: Connection) -> None:
         shard = Shard(args.rank, config.tensor_parallel_size, load_config(files))
         backend = select_backend(config, device, args.dtype)
         model = load_model(files, shard.config, args.max_model_len, backend, device, args.dtype, shard, all_reduce)
+        plan_kernels(backend)  # this rank's open choices, timed on its own part of each weight as rank 0 times its
         pipe.send(None)
     except Exception as e:  # noqa: BLE001 - the engine reports it, with this rank's traceback
         pipe.send(f"{e}\n{traceback.format_exc()}")

@@ -66,6 +66,7 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable[[Req
         info, s = engine.info, engine.stats
         return JSONResponse({
             "model": engine.metrics.model_name, "device": info.device, "dtype": info.dtype, "backend": info.backend,
+            "kernel_plan": list(info.kernel_plan),
             "now": time.monotonic(), "running": s.num_running, "waiting": s.num_waiting,
             "kv_cache_usage": s.kv_cache_usage, "generated_tokens": engine.num_generated_tokens,
             "history": engine.history.as_json(),

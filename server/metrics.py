@@ -96,7 +96,8 @@ class Metrics:
     def describe_engine(self, info: EngineInfo) -> None:
         plan = info.gemm_plan or {}
         self.engine_info.info({"device": info.device, "dtype": info.dtype, "backend": info.backend,
-                               "isa": plan.get("isa", ""), "gemm": ",".join(plan.get("choice", [])[:1])})
+                               "isa": plan.get("isa", ""), "gemm": ",".join(plan.get("choice", [])[:1]),
+                               "kernel_plan": info.kernel_plan_labels})
         if plan.get("peak_gflops"):
             self.gemm_peak_flops.set(plan["peak_gflops"] * 1e9)
 

@@ -35,9 +35,8 @@ BODIES = cpu.bf16_dots() if cpu.available() else []  # the FMAs; avx512_bf16's d
 
 @pytest.fixture(params=BODIES)
 def body(request):
-    """Each body that can compute BF16C products here, made current for the test."""
-    with cpu.bf16_body(request.param):
-        yield request.param
+    """Each body that can compute BF16C products here, as the products' ``Body``."""
+    return cpu.Body(bf16=request.param)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
@@ -46,7 +45,7 @@ def test_bf16c_product_is_the_rounded_operands_product(m, n, k, body):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
     bias = torch.randn(n, generator=gen)
-    y = cpu.linear(x, cpu.pack_weight_bf16c(w), n, bias)
+    y = cpu.linear(x, cpu.pack_weight_bf16c(w), n, bias, body=body)
     # fp32 sums of exact products (a bf16 x bf16 product fits fp32): a few ulps of the sum of magnitudes
     bound = 1e-6 * k**0.5 * (x.to(torch.bfloat16).double().abs() @ w.to(torch.bfloat16).double().abs().T).float()
     assert torch.all((y - bias - reference(x, w)).abs() <= bound + 1e-6)
@@ -58,24 +57,24 @@ def test_bf16c_rows_do_not_depend_on_the_other_rows(body):
     x = torch.randn(150, 576, generator=gen)
     x[3, :4] = torch.tensor([float("nan"), 1e-40, float("inf"), -3.4e38])
     bias = torch.randn(100, generator=gen)
-    whole = cpu.linear(x, w, 100, bias)
+    whole = cpu.linear(x, w, 100, bias, body=body)
     for lo, hi in ((0, 1), (5, 6), (7, 30), (16, 32), (64, 150), (149, 150), (0, 150)):
-        part = cpu.linear(x[lo:hi], w, 100, bias)
+        part = cpu.linear(x[lo:hi], w, 100, bias, body=body)
         assert torch.equal(part.view(torch.int32), whole[lo:hi].view(torch.int32)), (body, lo, hi)
 
 
-def test_an_unknown_bf16_body_is_refused_and_a_with_block_restores_the_body_before():
-    before = cpu.set_bf16_dot("fma")
-    try:
-        with pytest.raises(ValueError, match="no 'tiles' bfloat16 body"):
-            cpu.set_bf16_dot("tiles")
-        if "amx" not in BODIES:
-            with pytest.raises(ValueError, match="no 'amx' bfloat16 body"):
-                cpu.set_bf16_dot("amx")
-        with cpu.bf16_body(BODIES[-1]):
-            assert cpu.set_bf16_dot(BODIES[-1]) == BODIES[-1]
-    finally:
-        assert cpu.set_bf16_dot(before) == "fma"  # neither the refusals nor the block left another body
+def test_a_body_this_build_lacks_is_refused_and_bodies_travel_with_each_call():
+    with pytest.raises(ValueError, match="no 'tiles' bf16 body"):
+        cpu.Body(bf16="tiles")
+    if "amx" not in BODIES:
+        with pytest.raises(ValueError, match="no 'amx' bf16 body"):
+            cpu.Body(bf16="amx")
+    if not cpu.q8x_tiles_available():
+        with pytest.raises(ValueError, match="no AMX tiles for the int8 products"):
+            cpu.Body(int8_tile_rows=16)
+    # each field its own bits of the product word; the default body none
+    words = [cpu.Body(bf16=b).word() for b in BODIES]
+    assert cpu.DEFAULT_BODY.word() == 0 and len(set(words)) == len(words) and 0 not in words
 
 
 @pytest.mark.skipif("dpbf16" not in BODIES, reason="the CPU has no avx512_bf16")
@@ -84,10 +83,8 @@ def test_avx512_bf16_and_the_portable_body_give_the_same_bits():
     w = cpu.pack_weight_bf16c(torch.randn(200, 1536, generator=gen) / 40)
     x = torch.randn(70, 1536, generator=gen) * 3
     x[0, :7] = torch.tensor([1e-40, -0.0, 3.4e38, 1.0 + 2**-9, 1.0 + 3 * 2**-9, float("inf"), -1e-39])
-    with cpu.bf16_body("dpbf16"):
-        native = cpu.linear(x, w, 200)
-    with cpu.bf16_body("fma"):
-        emulated = cpu.linear(x, w, 200)
+    native = cpu.linear(x, w, 200, body=cpu.Body(bf16="dpbf16"))
+    emulated = cpu.linear(x, w, 200, body=cpu.Body(bf16="fma"))
     assert torch.equal(native.view(torch.int32), emulated.view(torch.int32))
 
 
@@ -197,50 +194,46 @@ def test_the_gemm_plan_is_one_family_and_reports_its_rates(tiny_model):
         EngineConfig(gemm_kernels="mkl")
 
 
-@pytest.mark.parametrize("kind", ["int8 dot products", "fp32 bodies"])
+@pytest.mark.parametrize("kind", ["int8 dot", "fp32 body"])
 def test_a_body_is_timed_again_once_started(kind, monkeypatch, tiny_model, small_q4_k_m):
     """The int8 dot product or fp32 body timed while the API process loads (sharing the cores) is timed again once
-    started, and the second timing decides: the products and the engine's description follow it."""
-    from engine.backends import cpu as cpu_backend
+    started (a server's engine, ``own_process``), and the second timing decides: the plan and the products follow
+    it."""
+    from engine.kernel_plan import KernelChoice, PlanRow
 
-    int8 = kind == "int8 dot products"
-    bodies, body_of = (cpu.q8x_dots(), "int8_dot") if int8 else (cpu.f32_bodies(), "f32_body")
+    int8 = kind == "int8 dot"
+    bodies, field = (cpu.q8x_dots(), "int8_dot") if int8 else (cpu.f32_bodies(), "f32")
     if len(bodies) < 2:
-        pytest.skip(f"this CPU has one of the {kind}")
-    picks = []
+        pytest.skip(f"this CPU has one {kind}")
+    picks, decide = [], KernelChoice.decide
 
-    def timing(dots: list[str], use, *_) -> str:  # at load the last body, then the first
-        picks.append(dots[0] if picks else dots[-1])
-        use(picks[-1])
-        return picks[-1]
+    def timing(choice: KernelChoice) -> PlanRow:  # at load the last body, then the first
+        if choice.name != kind:
+            return decide(choice)
+        picks.append(bodies[0] if picks else bodies[-1])
+        return PlanRow(kind, picks[-1], {})
 
-    monkeypatch.setattr(cpu_backend, "_fastest_dot", timing)
+    monkeypatch.setattr(KernelChoice, "decide", timing)
     model = str(small_q4_k_m) if int8 else str(tiny_model("qwen2-bias"))
     engine = EngineCore(EngineConfig(model=model, kv_cache_memory=4 << 20, gemm_kernels="c",
-                                     quantized_matmul="int8" if int8 else "exact"))
-    backend = engine.backend
-    assert getattr(backend, body_of) == bodies[-1]
-    backend.after_start_up()
-    assert picks == [bodies[-1], bodies[0]] and getattr(backend, body_of) == bodies[0]
-    assert f"{bodies[0]} " in backend.describe()
+                                     quantized_matmul="int8" if int8 else "exact"), own_process=True)
+    assert picks == [bodies[-1], bodies[0]] and engine.kernel_plan.chosen(kind) == bodies[0]
+    assert getattr(engine.backend.body, field) == bodies[0]
+    gate_up = engine.model.layers[0].mlp.gate_up_proj.kernel
+    assert all(getattr(part.body, field) == bodies[0] for part in gate_up.parts)
 
 
 def test_no_fp32_body_is_timed_where_the_projections_run_on_the_tiles(monkeypatch, small_q4_k_m):
     """Split panels (fp32 on AMX tiles) are computed by no fp32 body: timing the bodies on them measured nothing."""
     from engine.backends import amx_blocks
-    from engine.backends import cpu as cpu_backend
 
     if "amx" not in cpu.bf16_dots() or len(cpu.f32_bodies()) < 2:
         pytest.skip("needs AMX tiles and two fp32 bodies")
-    timed = []
-    monkeypatch.setattr(cpu_backend, "_fastest_dot", lambda dots, use, *args: timed.append(args[-1]) or dots[0])
     for on_tiles in (True, False):
         monkeypatch.setattr(amx_blocks, "faster", lambda _, on_tiles=on_tiles: on_tiles)
-        timed.clear()
         engine = EngineCore(EngineConfig(model=str(small_q4_k_m), kv_cache_memory=4 << 20, max_model_len=256))
-        engine.backend.after_start_up()
         assert engine.backend.split_body == ("tiles" if on_tiles else "FMAs")
-        assert timed == ([] if on_tiles else ["fp32 bodies", "fp32 bodies"])
+        assert (engine.kernel_plan.chosen("fp32 body") is None) == on_tiles
         del engine
 
 
@@ -317,10 +310,10 @@ def test_bf16a_panels_give_the_bits_of_bf16c_panels_through_amx():
     w, bias = torch.randn(100, 576, generator=gen) / 24, torch.randn(100, generator=gen)
     wide, narrow = cpu.pack_weight_bf16a(w), cpu.pack_weight_bf16c(w)
     assert wide.shape == (4, 576, 32) and cpu.FORMAT_NAMES[wide.dtype] == "BF16A"
-    with cpu.bf16_body("amx"):
-        for m in (1, 5, 16, 40, 64):
-            x = torch.randn(m, 576, generator=gen)
-            assert torch.equal(cpu.linear(x, wide, 100, bias), cpu.linear(x, narrow, 100, bias))
+    amx = cpu.Body(bf16="amx")
+    for m in (1, 5, 16, 40, 64):
+        x = torch.randn(m, 576, generator=gen)
+        assert torch.equal(cpu.linear(x, wide, 100, bias, body=amx), cpu.linear(x, narrow, 100, bias, body=amx))
     ids = torch.tensor([0, 31, 32, 99, 7])
     assert torch.equal(cpu.embed_rows(wide, ids, 100), w.bfloat16().float()[ids])
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -340,17 +333,17 @@ def test_the_argmax_of_an_amx_product_is_that_of_its_written_logits(n, k):
     w[5] = w[3]  # two equal columns: the first wins
     q, d, m = _q4_blocks(n, k, gen)
     panels = {"BF16A": cpu.pack_weight_bf16a(w), "BF16C": cpu.pack_weight_bf16c(w), "Q4A": cpu.pack_weight_q4a(q, d, m)}
-    with cpu.bf16_body("amx"):
-        for name, packed in panels.items():
-            for rows in (1, 5, 16, 17, 58, 110):
-                x = torch.randn(rows, k, generator=gen)
-                if rows >= 5:
-                    x[1] = 0  # every logit 0: column 0
-                    x[2, 0] = float("nan")  # every logit NaN: column 0
-                    x[3, 0] = float("inf")  # inf and -inf, and NaN where the column's weight is 0
-                    x[4] = x[0]
-                expected = argmax_rows(cpu.linear(x, packed, n))
-                assert torch.equal(cpu.argmax_linear(x, packed, n), expected), (name, rows)
+    amx = cpu.Body(bf16="amx")
+    for name, packed in panels.items():
+        for rows in (1, 5, 16, 17, 58, 110):
+            x = torch.randn(rows, k, generator=gen)
+            if rows >= 5:
+                x[1] = 0  # every logit 0: column 0
+                x[2, 0] = float("nan")  # every logit NaN: column 0
+                x[3, 0] = float("inf")  # inf and -inf, and NaN where the column's weight is 0
+                x[4] = x[0]
+            expected = argmax_rows(cpu.linear(x, packed, n, body=amx))
+            assert torch.equal(cpu.argmax_linear(x, packed, n, body=amx), expected), (name, rows)
     assert cpu.argmax_linear(torch.randn(2, k), cpu.pack_weight(w), n) is None  # fp32 panels: no AMX product
 
 
@@ -360,7 +353,7 @@ def test_a_greedy_bf16_head_on_amx_gives_the_tokens_of_its_written_logits(tiny_m
     llm = LLM(str(tiny_model("llama-gqa-tied")), **quick(attention_backend="cpu", dtype="bfloat16",
                                                          gemm_kernels="c", kv_cache_memory=4 << 20))
     backend = llm.engine.backend
-    assert (backend.argmax_head is not None) == (backend.bf16_dot == "amx")
+    assert (backend.argmax_head is not None) == (backend.body.bf16 == "amx")
     prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(2 + 11 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=16)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -403,10 +396,9 @@ def _assert_the_bits_of_bf16a(widened: torch.Tensor, name: str, weight: torch.Te
     dense = cpu.pack_weight_bf16a(weight)
     assert cpu.FORMAT_NAMES[widened.dtype] == name and cpu.packed_geometry(widened) == (k, cdiv(n, 32) * 32)
     bias = torch.randn(n, generator=gen)
-    with cpu.bf16_body("amx"):
-        for rows in (1, 3, 16, 33, 64, 100):
-            x = torch.randn(rows, k, generator=gen)
-            assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
+    for rows in (1, 3, 16, 33, 64, 100):
+        x = torch.randn(rows, k, generator=gen)
+        assert torch.equal(cpu.linear(x, widened, n, bias), cpu.linear(x, dense, n, bias)), rows
     ids = torch.tensor([0, n // 2, n - 1, 1])
     assert torch.equal(cpu.embed_rows(widened, ids, n), weight[ids])
 
@@ -457,20 +449,21 @@ def _widened_and_bf16a_tokens(model: str | None, prompts: list,
     BF16A panels (False), start-up's timings overruled (a small model's may find the vector bodies faster); each
     with the number of weights from widened panels, and the lookups of a few token ids."""
     from engine.backends import amx_blocks as widened_panels
-    from engine.backends import cpu as cpu_backend
+    from engine.kernel_plan import KernelChoice, PlanRow
 
-    def amx(dots: list[str], use, *_) -> str:
-        use("amx")
-        return "amx"
+    decide = KernelChoice.decide
+
+    def amx(choice: KernelChoice) -> PlanRow:
+        return PlanRow(choice.name, "amx", {}) if choice.name == "bf16 body" else decide(choice)
 
     params, out = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), {}
     for widened in (True, False):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(widened_panels, "faster", lambda _, widened=widened: widened)
-            patch.setattr(cpu_backend, "_fastest_dot", amx)
+            patch.setattr(KernelChoice, "decide", amx)
             llm = LLM(model, **quick(dtype="bfloat16", gemm_kernels="c", **options))
         backend = llm.engine.backend
-        assert backend.bf16_dot == "amx", backend.describe()
+        assert backend.body.bf16 == "amx", llm.engine.kernel_plan.table()
         ids = torch.tensor([0, 1, 17, 4099, llm.engine.model.config.vocab_size - 1])
         out[widened] = (backend.widened_panels, [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
                         llm.engine.model.embed_tokens(ids))
@@ -562,22 +555,25 @@ def test_the_tiles_take_the_int8_products_from_the_rows_they_were_faster_at(monk
     first, stopping at the first loss; the dot at 1.0 ms each here) and the tiles take the products from the fewest
     rows at which, and at every larger one, they were faster: a win at 4 rows alone, with a loss at 16, does not
     count. Never where they never won."""
-    from engine.backends import cpu as cpu_backend
+    from engine.backends import cpu_bodies
+    from engine.backends.packed_linear import PackedLinear
 
     timings = list(tiles_ms)  # timed from the most rows down
-    set_rows = []
-    monkeypatch.setattr(cpu_backend.cpu_kernels, "q8x_tiles_available", lambda: True)
-    monkeypatch.setattr(cpu_backend.cpu_kernels, "set_q8x_tile_rows", set_rows.append)
-    monkeypatch.setattr(cpu_backend, "best_in_turns", lambda fns, turns: {"dot": 1e-3, "tiles": timings.pop() * 1e-3})
-    assert cpu_backend._tile_rows(lambda x, bias: None, 64) == chosen
-    assert set_rows[-1] == chosen and set_rows[0] == 0  # the dot alone while timing begins
+    monkeypatch.setattr(cpu_bodies.cpu_kernels, "q8x_tiles_available", lambda: True)
+    monkeypatch.setattr("kernels.cpu.bodies.q8x_tiles_available", lambda: True)  # a Body may name the tiles
+    monkeypatch.setattr(cpu_bodies, "best_in_turns", lambda fns, turns: {"dot": 1e-3, "tiles": timings.pop() * 1e-3})
+    kernel = PackedLinear(cpu.pack_weight(torch.randn(24, 64)), 24)
+    row = cpu_bodies.int8_tiles_choice(kernel, lambda: cpu.DEFAULT_BODY).decide()
+    assert row.chosen == str(chosen) and row.name == "int8 tile rows"
+    timed = [int(key.split("@")[1]) for key in row.seconds if key.startswith("tiles")]
+    assert timed == [64, 16, 4][:len(tiles_ms) - len(timings)]  # the most rows first, none after the first loss
 
 
 def test_timed_bodies_take_turns_and_each_keeps_its_best(monkeypatch):
     """A clock that only the bodies move: "tiles" is slow through its first calls (the machine busy a moment while
     it alone was timed), "fmas" steady. Timed in turns, tiles' later turns show its real time; each call of a turn
     alternates with the other body's."""
-    from engine.backends import gemm_plan
+    from engine import timing
 
     now, calls = [0.0], []
 
@@ -588,8 +584,8 @@ def test_timed_bodies_take_turns_and_each_keeps_its_best(monkeypatch):
             now[0] += times[min(k, len(times) - 1)]
         return call
 
-    monkeypatch.setattr(gemm_plan.time, "perf_counter", lambda: now[0])
-    best = gemm_plan.best_in_turns({"tiles": body("tiles", [0.2, 0.2, 0.1]), "fmas": body("fmas", [0.15])}, turns=2)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    best = timing.best_in_turns({"tiles": body("tiles", [0.2, 0.2, 0.1]), "fmas": body("fmas", [0.15])}, turns=2)
     assert best == pytest.approx({"tiles": 0.1, "fmas": 0.15})
     assert calls == ["tiles", "tiles", "fmas", "fmas", "tiles", "fmas", "tiles", "fmas"]
-    assert gemm_plan.seconds_per_call(body("one", [0.05]), rounds=3) == pytest.approx(0.05) and calls.count("one") == 4
+    assert timing.seconds_per_call(body("one", [0.05]), rounds=3) == pytest.approx(0.05) and calls.count("one") == 4

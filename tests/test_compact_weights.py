@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from engine import LLM, SamplingParams
-from engine.backends import cpu as cpu_backend
+from engine.backends import cpu_bodies
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead
 from kernels import cdiv, cpu
 from kernels.cpu import blocks
@@ -112,12 +112,9 @@ def test_the_fp32_bodies_give_the_same_bits(grid, m, k, n):
     packed = cpu.pack_weight(w) if grid == "fp32" else cpu.pack_weight_compact(GRIDS[grid][0](w))
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     results = []
-    for body in cpu.f32_bodies():
-        before = cpu.set_f32_body(body)
-        try:
-            results.append([bits(cpu.linear(x, packed, n, b)) for b in (None, bias)])
-        finally:
-            cpu.set_f32_body(before)
+    for name in cpu.f32_bodies():
+        body = cpu.Body(f32=name)
+        results.append([bits(cpu.linear(x, packed, n, b, body=body)) for b in (None, bias)])
     assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other, strict=True))
 
 
@@ -265,7 +262,7 @@ def test_a_model_runs_from_compact_panels_with_the_bits_of_fp32_panels(grid, tin
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 30, 70)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     results = []
-    monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen: (1, 256))
+    monkeypatch.setattr(cpu_bodies, "screen_row_range", lambda screen: ((1, 256), {}))
     for enabled in ("1", "0"):
         for each in {switch for _, switch, _ in GRIDS.values()}:  # off: all of them (Q4_0 blocks fit Q8 panels too)
             monkeypatch.setenv(each, enabled)

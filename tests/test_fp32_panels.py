@@ -48,7 +48,9 @@ def test_the_row_count_is_the_fewest_from_which_fp32_panels_won_at_every_larger_
             rows = next(iter(fns["fp32"].args[1].values())).shape[0]
             return {"compact": 1.0, "fp32": 0.5 if rows in wins else 2.0}
         monkeypatch.setattr(fp32_panels, "best_in_turns", best_in_turns)
-        return fp32_panels.from_rows(kernels)
+        chosen, seconds = fp32_panels.from_rows(kernels)
+        assert all(key.split("@")[0] in ("compact", "fp32") for key in seconds)
+        return chosen
 
     assert timed(set(candidates)) == candidates[0]
     assert timed(set(candidates[1:])) == candidates[1]
@@ -59,7 +61,7 @@ def test_the_row_count_is_the_fewest_from_which_fp32_panels_won_at_every_larger_
 def _engine(monkeypatch, rows: int, **options) -> LLM:
     """The default model in fp32, start-up's timing of the fp32 panels overruled: read from ``rows`` on (0: none)."""
     with monkeypatch.context() as patch:
-        patch.setattr(fp32_panels, "from_rows", lambda kernels: rows)
+        patch.setattr(fp32_panels, "from_rows", lambda kernels: (rows, {}))
         return LLM(None, **quick(dtype="float32", gemm_kernels="c", **options))
 
 
@@ -93,7 +95,7 @@ def test_the_default_model_gives_the_same_logprobs_from_fp32_panels_beside_the_c
         assert 500 << 20 < fp32 < 520 << 20 and backend.wide_bytes == (fp32 if rows else 0)
         assert llm.engine.memory_ledger.weights > backend.wide_bytes  # counted in the weights
         if rows:
-            assert "fp32 panels beside the compact from 9 rows" in backend.describe()
+            assert llm.engine.kernel_plan.chosen("fp32 panels beside") == "from 9 rows"
             backend.decoder, backend.wide_decoder = _Calls(backend.decoder), _Calls(backend.wide_decoder)
         outs = llm.generate(prompt_ids, params)  # steps of 8 prompts' decodes (compact) and of prompts (fp32)
         out[rows] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

@@ -185,20 +185,15 @@ def test_every_integer_dot_product_gives_the_same_bits(gguf_tensors, kind):
     x[0, :32] = 0  # a block of zero activations
     bodies = [(dot, 0) for dot in cpu.q8x_dots()] + ([(cpu.q8x_dots()[0], 1)] if cpu.q8x_tiles_available() else [])
     results = {}
-    try:
-        for dot, tile_rows in bodies:
-            cpu.set_q8x_dot(dot)
-            cpu.set_q8x_tile_rows(tile_rows)
-            results[dot, tile_rows] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True)
-                                       for rows in (1, 3, 9, 16, 21, 150)]
-    finally:
-        cpu.set_q8x_dot(cpu.q8x_dots()[0])
-        cpu.set_q8x_tile_rows(0)
+    for dot, tile_rows in bodies:
+        body = cpu.Body(int8_dot=dot, int8_tile_rows=tile_rows)
+        results[dot, tile_rows] = [cpu.linear(x[:rows], packed, weight.shape[0], int8_activations=True, body=body)
+                                   for rows in (1, 3, 9, 16, 21, 150)]
     first, *others = results.values()
     for other in others:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     with pytest.raises(ValueError, match="no 'amx'"):
-        cpu.set_q8x_dot("amx")
+        cpu.Body(int8_dot="amx")
 
 
 def test_a_weight_packed_a_chunk_of_panels_at_a_time_gives_the_same_panels(gguf_tensors, monkeypatch):

@@ -228,7 +228,8 @@ def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
     import engine.backends.greedy_head as greedy_head
 
     head, _ = make_block_head()
-    low, high = screen_row_range(head)
+    (low, high), seconds = screen_row_range(head)
+    assert set(seconds) >= {"screen@1", "exact@1"}
     assert (low, high) == (0, 0) or (low in SCREEN_TIMING_ROWS and high in SCREEN_TIMING_ROWS and low <= high)
     # where the screen loses at one row (bound by reading the head) and wins from four on, until 64
     faster = {1: False, 4: True, 16: True, 64: True, 256: False}
@@ -243,10 +244,10 @@ def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
 
     monkeypatch.setattr(greedy_head, "_cold_seconds", fake)
     monkeypatch.setattr(greedy_head, "SCREEN_TIMING_CALL_S", 10.0)  # every exact call within the budget
-    assert screen_row_range(head) == (4, 64) and timed == [1, 4, 16, 64, 256]
+    assert screen_row_range(head)[0] == (4, 64) and timed == [1, 4, 16, 64, 256]
     faster.update({1: True, 4: False, 16: True})
     timed.clear()
-    assert screen_row_range(head) == (1, 1) and timed == [1, 4]  # the first run; larger batches not timed after it
+    assert screen_row_range(head)[0] == (1, 1) and timed == [1, 4]  # the first run; larger batches not timed after it
     # a head whose exact product takes longer than the budget from 16 rows on: larger counts are not timed
     monkeypatch.setattr(greedy_head, "SCREEN_TIMING_CALL_S", 2.5)
     exact_seconds = {1: 2.0, 4: 2.0, 16: 3.0}
@@ -259,4 +260,4 @@ def test_screen_rows_is_a_run_of_the_timed_row_counts(monkeypatch):
 
     monkeypatch.setattr(greedy_head, "_cold_seconds", slow)
     timed.clear()
-    assert screen_row_range(head) == (1, 16) and timed == [1, 4, 16]
+    assert screen_row_range(head)[0] == (1, 16) and timed == [1, 4, 16]

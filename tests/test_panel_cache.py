@@ -18,6 +18,7 @@ from engine.backends import cpu as cpu_backend
 from engine.backends.panel_cache import PanelCache
 from engine.engine_core import EngineCore
 from engine.gguf_weights import iter_gguf_weights
+from engine.kernel_plan import KernelChoice, PlanRow
 from engine.llm import LLM
 from engine.models.linear import Linear
 from engine.models.llama import LlamaForCausalLM
@@ -300,15 +301,14 @@ def test_a_dense_checkpoints_panels_are_mapped_at_the_second_start_until_a_weigh
     monkeypatch.setattr(cpu_backend, "cache_root", lambda: tmp_path)
     # every start takes the bodies the first one timed fastest: in bfloat16 the body decides the panels (BF16A for
     # AMX, else BF16C), and a near tie timed again under load had the second start pack the other kind
-    chosen, fastest = {}, cpu_backend._fastest_dot
+    chosen, decide = {}, KernelChoice.decide
 
-    def first_choice(dots, use, *args, **kwargs):
-        if tuple(dots) not in chosen:
-            chosen[tuple(dots)] = fastest(dots, use, *args, **kwargs)
-        use(chosen[tuple(dots)])
-        return chosen[tuple(dots)]
+    def first_choice(choice: KernelChoice) -> PlanRow:
+        if choice.name not in chosen:
+            chosen[choice.name] = decide(choice)
+        return chosen[choice.name]
 
-    monkeypatch.setattr(cpu_backend, "_fastest_dot", first_choice)
+    monkeypatch.setattr(KernelChoice, "decide", first_choice)
     folder = tmp_path / "model"
     folder.mkdir()
     for f in tiny_model("llama-mha-untied-llama3-rope").iterdir():

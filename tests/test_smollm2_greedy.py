@@ -4,8 +4,7 @@ is in the batch, with requests joining mid-flight, under preemption and under ch
 import pytest
 import torch
 
-from engine.backends import amx_blocks
-from engine.backends import cpu as cpu_backend
+from engine.backends import amx_blocks, cpu_bodies
 from engine.backends.greedy_head import Int8ScreenedHead
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -72,7 +71,7 @@ def test_greedy_identical_with_staggered_arrivals(prompt_ids, expected, monkeypa
 def test_greedy_tokens_from_the_int8_screen(prompt_ids, expected, monkeypatch):
     """The Q8_0 head's int8 screen, taken here whatever start-up timing would choose: plain greedy steps of every
     batch size never compute the full logits, and the tokens are transformers' (the exact head's)."""
-    monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen: (1, 64))
+    monkeypatch.setattr(cpu_bodies, "screen_row_range", lambda screen: ((1, 64), {}))
     engine = engine_with()
     screen = engine.backend.greedy_head
     assert isinstance(screen, Int8ScreenedHead) and (screen.min_rows, screen.max_rows) == (1, 64)
@@ -87,18 +86,22 @@ def test_greedy_tokens_from_the_int8_screen(prompt_ids, expected, monkeypatch):
 
 @pytest.mark.skipif(not cpu.q8x_available(), reason="no integer dot products on this CPU")
 def test_the_int8_screen_is_timed_again_once_started(monkeypatch):
-    """A server's engine times the screen again once the API process has loaded (``after_start_up``), and keeps
-    that choice: a screen timed slower at first is taken up, and one timed faster dropped."""
+    """A server's engine (``own_process``) times the screen again once the API process has loaded, and keeps that
+    choice: a screen timed slower at first is taken up, and one timed faster dropped."""
     for first, again in (((0, 0), (4, 256)), ((1, 256), (0, 0))):
-        timings = iter((first, again))
-        monkeypatch.setattr(cpu_backend, "screen_row_range", lambda screen, timings=timings: next(timings))
-        engine = engine_with()
+        timings, seen = iter((first, again)), []
+
+        def timed(screen, timings=timings, seen=seen):
+            seen.append(next(timings))
+            return seen[-1], {}
+
+        monkeypatch.setattr(cpu_bodies, "screen_row_range", timed)
+        engine = EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick()), own_process=True)
         backend = engine.backend
-        assert isinstance(backend.int8_screen, Int8ScreenedHead)
-        assert backend.greedy_head is (backend.int8_screen if first[1] else None)
-        backend.after_start_up()
+        assert isinstance(backend.int8_screen, Int8ScreenedHead) and seen == [first, again]
         assert backend.greedy_head is (backend.int8_screen if again[1] else None)
         assert (backend.int8_screen.min_rows, backend.int8_screen.max_rows) == again
+        assert engine.kernel_plan.chosen("int8 screen rows") == (f"{again[0]}-{again[1]}" if again[1] else "none")
 
 
 def test_greedy_identical_under_preemption(prompt_ids, expected):

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends.gemm_plan import best_in_turns
 from engine.models.linear import Linear
 from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
+from engine.timing import best_in_turns
 from kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:

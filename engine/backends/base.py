@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.config import EngineConfig
+from engine.kernel_plan import KernelChoice, PlanRow
 from engine.kv_cache import available_memory
 from engine.models.linear import dequantize_weights
 from engine.start_up import WARM_UP_PROMPT_LEN
@@ -135,6 +136,23 @@ class TorchBackend:
         GPU, every eager step size from the budget down to one prompt, whose first run compiles and loads its
         kernels; None (no bursts) on a CPU, which has none to compile."""
         return min(WARM_UP_PROMPT_LEN, max_model_len - 2) if self.device.type == "cuda" else None
+
+    # ---- the kernel plan (engine/kernel_plan.py) ----------------------------------------------------------------
+    def packing_choices(self) -> list[PlanRow]:
+        """The choices made while packing the weights (``prepare``), which the packing depended on, with what their
+        candidates measured: rows of the engine's kernel plan."""
+        return []
+
+    def kernel_choices(self) -> list[KernelChoice]:
+        """The choices this backend's kernels leave open once packed: the engine times them, in order, and gives
+        each one's result back (``use_choice``) before it times the next."""
+        return []
+
+    def use_choice(self, row: PlanRow) -> None:
+        """Take ``row``'s chosen candidate for the products from now on (one of ``kernel_choices``)."""
+
+    def use_plan(self) -> None:
+        """Once every choice is made: put them into whatever was built over the products (a one-call decoder)."""
 
     def after_start_up(self) -> None:
         """In a server's engine process, once warmed up: measure what only an otherwise idle machine shows (the API

@@ -36,18 +36,26 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends import amx_blocks, fp32_panels
 from engine.backends.base import TorchBackend
+from engine.backends.cpu_bodies import (
+    BF16_ROWS,
+    bf16_choice,
+    f32_choice,
+    int8_dot_choice,
+    int8_tiles_choice,
+    screen_choice,
+)
 from engine.backends.decoder_layers import decoder_of
 from engine.backends.gemm_plan import (
     GemmPlan,
     OneDnnLinear,
-    best_in_turns,
     c_panels_plan,
     matmul_peak_gflops,
     measure_plan,
 )
-from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head, screen_row_range
-from engine.backends.packed_linear import PackedLinear, SplitLinear
+from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head
+from engine.backends.packed_linear import PackedLinear, SplitLinear, with_body
 from engine.backends.panel_cache import PanelCache
+from engine.kernel_plan import KernelChoice, PlanRow
 from engine.model_loader import cache_root
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
@@ -72,13 +80,6 @@ if TYPE_CHECKING:
 DECODER_MAX_QUERY_LEN = 64
 DECODER_MAX_PREFILL_CONTEXT = 1024
 PACK_CHUNK_PANELS = 512  # panels of a GGUF file's weight packed at a time (_pack_quantized)
-# Rows at which the bfloat16 bodies are timed: a stream's decode, and batches of decodes or a prompt chunk. AMX tiles
-# compute 16 rows at once, so they win from a few rows on; the sum weighs the batches, as throughput under load does.
-# (avx512_bf16's dot product and the FMAs give the same bits, so either may win: on a Xeon with AMX the FMAs were the
-# faster of the two, on an AMD EPYC the dot product; docs/history/benchmarks-2026-12.md, the matmul candidates.)
-BF16_DOT_ROWS = (1, 16, 64)
-# Rows at which the fp32 bodies are timed: both run 1-4 rows alike (in registers), so batches of decodes and a chunk.
-F32_BODY_ROWS = (16, 64)
 # Rows at which an fp32 process times a GGUF file's blocks on AMX (Q4S/Q6S/Q8S panels) against their FMAs: a stream's
 # decode, and batches of decodes or a prompt chunk, as BF16_DOT_ROWS.
 SPLIT_ROWS = (1, 16, 64)
@@ -135,12 +136,11 @@ class CpuBackend(TorchBackend):
         self.argmax_head: PackedLinear | None = None  # the LM head's kernel, where AMX finds its argmax unwritten
         self.plan: GemmPlan | None = None
         self.int8_activations = False
-        self.int8_dot: str | None = None  # the integer dot product the int8-activation products use (timed)
-        self.int8_tile_rows = 0  # from how many rows on AMX tiles take them instead (timed; 0: never)
-        self.bf16_dot: str | None = None  # the body of the bfloat16 products where there is a choice (timed)
-        self.f32_body: str | None = None  # the body of the fp32 products from 5 rows on where there is a choice (timed)
-        # The int8 dot product's or fp32 body's timing again, for after_start_up: the attribute it sets, and the timing
-        self._body_timing: tuple[str, Callable[[], str]] | None = None
+        # the bodies every product runs through: the bfloat16 one chosen while packing (its panels depend on it), the
+        # others by the engine's plan (kernel_choices, use_choice)
+        self.body = cpu_kernels.DEFAULT_BODY
+        self._model: LlamaForCausalLM | None = None  # the packed model, whose products take the plan's bodies
+        self._packing_rows: list[PlanRow] = []  # the choices made while packing, with what they measured
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
         self.split_body: str | None = None  # fp32: a GGUF file's blocks on AMX "tiles" or "FMAs", where timed
         self.panel_cache: PanelCache | None = None  # mapped from, or kept for the next start
@@ -178,23 +178,26 @@ class CpuBackend(TorchBackend):
         dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.dense_weight() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
+            # NOTE: chosen while packing, not by the engine's plan: AMX takes BF16A panels, the others BF16C ones
             weight = dense[first.mlp.gate_up_proj]
-            self.bf16_dot = _fastest_dot(cpu_kernels.bf16_dots(), cpu_kernels.set_bf16_dot,
-                                         PackedLinear(pack(weight), weight.shape[0]), weight.shape[1], BF16_DOT_ROWS)
-            if self.bf16_dot == "amx":
+            row = bf16_choice(PackedLinear(pack(weight), weight.shape[0]), lambda: self.body).decide()
+            self._packing_rows.append(row)
+            self.body = replace(self.body, bf16=row.chosen)
+            if row.chosen == "amx":
                 pack = _amx_panels
         if quantized:  # a GGUF file's blocks, packed as they are: only the C panels take them
             self.plan = c_panels_plan(self.dtype)
         else:
             self.plan = measure_plan([dense[m] for m in projections],
-                                     lambda w: partial(PackedLinear(pack(w), w.shape[0]), bias=None), self.dtype,
-                                     self.config.gemm_kernels)
+                                     lambda w: partial(PackedLinear(pack(w), w.shape[0], body=self.body), bias=None),
+                                     self.dtype, self.config.gemm_kernels)
+        self._packing_rows.append(self.plan.row())
         del dense
         library = self.plan.uses_library
         if weights_file is not None and self.config.panel_cache and not library:
             self.panel_cache = PanelCache(weights_file, cache_root(), cpu_kernels.panel_layout())
         pack_blocks = partial(_pack_quantized, cache=self.panel_cache)
-        kernels = self._widened_kernels(model, blocks) if not library and self.bf16_dot == "amx" else {}
+        kernels = self._widened_kernels(model, blocks) if not library and self.body.bf16 == "amx" else {}
         if quantized and not bf16 and not self.int8_activations and "amx" in cpu_kernels.bf16_dots():
             kernels = self._split_kernels(model)
         for module, source in blocks.items():
@@ -214,15 +217,6 @@ class CpuBackend(TorchBackend):
                     self._pack_linear(name, module, pack), module.out_features)
             elif isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = cpu_kernels
-        gate_up = first.mlp.gate_up_proj
-        if self.int8_activations:
-            self._body_timing = "int8_dot", partial(self._time_int8, gate_up.kernel, gate_up.in_features)
-        elif not bf16 and not library and len(cpu_kernels.f32_bodies()) > 1 and gate_up not in kernels:
-            # NOTE: not where the projections run on the tiles (split panels), which no fp32 body computes: timing
-            # them there measured nothing, and took 2 s of each start of an 8B model, twice
-            self._body_timing = "f32_body", partial(_fastest_dot, cpu_kernels.f32_bodies(), cpu_kernels.set_f32_body,
-                                                    gate_up.kernel, gate_up.in_features, F32_BODY_ROWS, "fp32 bodies")
-        self._time_body()
         if bf16:  # the C kernels read these in fp32
             for name, param in model.named_parameters():
                 if name.endswith("bias") or "norm" in name:
@@ -259,27 +253,27 @@ class CpuBackend(TorchBackend):
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         elif (head.dtype == torch.int8 and model.lm_head.bias is None
               and not self.int8_activations and cpu_kernels.q8x_available()):
-            self.int8_screen = Int8ScreenedHead(head, vocab)
-            self._time_screen()
+            # at every batch size until the engine's plan times it (kernel_choices): its tokens are the exact head's
+            self.int8_screen = self.greedy_head = Int8ScreenedHead(head, vocab)
         kernel, probe = model.lm_head.kernel, torch.zeros(1, model.config.hidden_size)
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
-                and cpu_kernels.argmax_linear(probe, kernel.packed, vocab) is not None):
+                and cpu_kernels.argmax_linear(probe, kernel.packed, vocab, body=self.body) is not None):
             self.argmax_head = kernel
         if not bf16 and self.config.fp32_panels:
-            self.wide_rows = fp32_panels.attach(model, self._free_memory())
+            self.wide_rows, row = fp32_panels.attach(model, self._free_memory())
             self.wide_bytes = fp32_panels.held_bytes(model)
-        # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
-        # cannot; its steps go through the modules, whose products are the same panels.
-        if self.config.tensor_parallel_size == 1:
-            self.decoder = decoder_of(model, self.int8_activations)
-            self.wide_decoder = decoder_of(model, self.int8_activations, wide=True) if self.wide_rows else None
+            self._packing_rows += [row] if row is not None else []
+        self._model = model
+        self.use_plan()
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:
         """The products of ``blocks`` from their Q4A/Q6A/Q8A panels where start-up times those faster than BF16A
         panels (``amx_blocks.py``), packed a weight at a time with its file pages handed back after; else none."""
         bf16a = ("BF16A", lambda b: cpu_kernels.pack_weight_bf16a(b.dequantize(self.dtype)))
-        made, seconds = amx_blocks.timed(model, blocks, BF16_DOT_ROWS, bf16a)
+        made, seconds = amx_blocks.timed(model, blocks, BF16_ROWS, bf16a)
+        self._packing_rows.append(PlanRow("bf16 GGUF blocks", "widened" if amx_blocks.faster(seconds) else "BF16A",
+                                          seconds, f"the first layers at {' + '.join(map(str, BF16_ROWS))} rows"))
         if not amx_blocks.faster(seconds):
             return {}
         kernels = {}
@@ -290,7 +284,7 @@ class CpuBackend(TorchBackend):
 
     def _split_kernels(self, model: LlamaForCausalLM) -> dict[Linear, PackedLinear | SplitLinear]:
         """The products of a GGUF file's blocks that widened panels hold (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Q5_0) in an
-        fp32 process from Q4S, Q6S and Q8S panels, computed on AMX tiles to fp32's accuracy (``kernels/cpu/amx.c``),
+        fp32 process from Q4S, Q6S and Q8S panels, computed on AMX tiles to fp32's accuracy (``arch/x86/amx_bf16.c``),
         where start-up times those faster than their block panels' FMAs on the first layers (``amx_blocks.timed``);
         else none, and the blocks stay with their modules. Each weight's format is one body for every batch size,
         so tokens do not depend on the batch."""
@@ -308,6 +302,8 @@ class CpuBackend(TorchBackend):
         made, seconds = amx_blocks.timed(model, {m: m.quantized for m in modules}, SPLIT_ROWS, ("blocks", rival), pack,
                                       SPLIT_TIMING_BYTES)
         self.split_body = "tiles" if amx_blocks.faster(seconds) else "FMAs"
+        self._packing_rows.append(PlanRow("fp32 GGUF blocks", self.split_body, seconds,
+                                          f"the first layers at {' + '.join(map(str, SPLIT_ROWS))} rows"))
         if self.split_body != "tiles":
             return {}
         kernels = {}
@@ -348,32 +344,67 @@ class CpuBackend(TorchBackend):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         tokens = None if self.greedy_head is None else self.greedy_head.argmax(hidden)
         if tokens is None and self.argmax_head is not None:
-            tokens = cpu_kernels.argmax_linear(hidden, self.argmax_head.packed, self.argmax_head.out_features)
+            head = self.argmax_head
+            tokens = cpu_kernels.argmax_linear(hidden, head.packed, head.out_features, body=head.body)
         return tokens
 
-    def _time_body(self) -> None:
-        """Time the int8 dot products or fp32 bodies, where there is a choice, and keep the fastest."""
-        if self._body_timing is not None:
-            name, timing = self._body_timing
-            setattr(self, name, timing())
+    def packing_choices(self) -> list[PlanRow]:
+        return list(self._packing_rows)
 
-    def _time_int8(self, kernel: PackedLinear, in_features: int) -> str:
-        """The int8-activation products' dot product (the fastest at 1 + 16 rows), and from how many rows on the
-        AMX tiles take them (``_tile_rows``); the same bits whichever runs."""
-        dot = _fastest_dot(cpu_kernels.q8x_dots(), cpu_kernels.set_q8x_dot, kernel, in_features)
-        self.int8_tile_rows = _tile_rows(kernel, in_features)
-        return dot
+    def kernel_choices(self) -> list[KernelChoice]:
+        """The bodies left to the engine's plan (``cpu_bodies.py``), each timed on the first layer's gate/up
+        projection (the largest): the fp32 body of many rows, or the int8 products' dot product and AMX tiles; and
+        the batch sizes at which the LM head's int8 screen is faster than its exact product."""
+        model, choices, body = self._model, [], lambda: self.body
+        if model is None:  # oneDNN's products: no bodies of ours
+            return choices
+        gate_up = model.layers[0].mlp.gate_up_proj.kernel
+        if self.int8_activations:
+            if len(cpu_kernels.q8x_dots()) > 1:
+                choices.append(int8_dot_choice(gate_up, body))
+            if cpu_kernels.q8x_tiles_available():
+                choices.append(int8_tiles_choice(gate_up, body))
+        elif (self.dtype == torch.float32 and len(cpu_kernels.f32_bodies()) > 1
+              and all(cpu_kernels.format_of(part.packed).products == "exact" for part in gate_up.parts)):
+            # NOTE: not where the projections run on the tiles (split panels), which no fp32 body computes: timing
+            # them there measured nothing, and took 2 s of each start of an 8B model, twice
+            choices.append(f32_choice(gate_up, body))
+        if self.int8_screen is not None:
+            choices.append(screen_choice(self.int8_screen, body))
+        return choices
 
-    def _time_screen(self) -> None:
-        """Time the LM head's int8 screen, where it has one, against its exact product: the greedy head for the row
-        counts at which it measured faster (``screen_row_range``), else none."""
-        screen = self.int8_screen
-        if screen is None:
+    def use_choice(self, row: PlanRow) -> None:
+        if row.name == "fp32 body":
+            self.body = replace(self.body, f32=row.chosen)
+        elif row.name == "int8 dot":
+            self.body = replace(self.body, int8_dot=row.chosen)
+        elif row.name == "int8 tile rows":
+            self.body = replace(self.body, int8_tile_rows=int(row.chosen))
+        elif row.name == "int8 screen rows":
+            screen = self.int8_screen
+            first, _, last = row.chosen.partition("-")
+            screen.min_rows, screen.max_rows = (int(first), int(last)) if last else (0, 0)
+            self.greedy_head = screen if screen.max_rows else None
+
+    def use_plan(self) -> None:
+        """Every product of the packed model through ``self.body``: its modules' kernels, the LM head's, the int8
+        screen's, and the one-call decoders, made again over them."""
+        model = self._model
+        if model is None:
             return
-        screen.min_rows, screen.max_rows = screen_row_range(screen)
-        logger.info("greedy tokens from the LM head's int8 screen: %s", f"at {screen.min_rows}-{screen.max_rows} rows"
-                    if screen.max_rows else "not faster than the exact head here")
-        self.greedy_head = screen if screen.max_rows else None
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.kernel = with_body(module.kernel, self.body)
+        if self.argmax_head is not None:
+            self.argmax_head = model.lm_head.kernel
+        if self.int8_screen is not None:
+            self.int8_screen.body = self.body
+        # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
+        # cannot; its steps go through the modules, whose products are the same panels.
+        if self.config.tensor_parallel_size == 1:
+            self.decoder = decoder_of(model, self.int8_activations, self.body)
+            self.wide_decoder = decoder_of(model, self.int8_activations, self.body, wide=True) if self.wide_rows \
+                else None
 
     def _pack_dense(self, name: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor | None],
                     read: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -391,15 +422,6 @@ class CpuBackend(TorchBackend):
         return panels
 
     def after_start_up(self) -> None:
-        # NOTE: the bodies are timed again, now that the API process has loaded: they share the panels and give the
-        # same bits, so the choice can change here. Timed while it loaded (2 cores), one server read "vnni 0.56,
-        # maddubs 0.44" ms (0.16 and 0.26 on the idle machine), kept maddubs, and served 17-20% fewer tokens at 16
-        # and 64 clients than the next start, which kept VNNI (docs/history/benchmarks-2026-12.md).
-        self._time_body()
-        # NOTE: and the int8 screen's rows, for the same reason: timed while the API process loaded, five starts of
-        # the default server kept it at 1-1, 1-1, 1-16, 1-256 and 4-256 rows; in an idle process, 4-256 five times
-        # in six and 1-256 once (AMD EPYC Zen 4), so two of those servers multiplied the whole head at 4-64 rows.
-        self._time_screen()
         if self.plan is not None:  # see gemm_plan.PEAK_BUDGET_S
             self.plan = replace(self.plan, peak_gflops=matmul_peak_gflops(self.dtype))
             logger.info("machine matmul peak (%s, torch's product of large squares): %.0f GFLOP/s", self.plan.dtype,
@@ -419,77 +441,10 @@ class CpuBackend(TorchBackend):
         return [self.decoder, self.wide_decoder, self.greedy_head, self.int8_screen]
 
     def describe(self) -> str:
+        """The products in a few words; what was chosen, and why, is the engine's kernel plan (its table)."""
         products = "oneDNN" if self.plan is not None and self.plan.uses_library else "C"
-        products += f" ({self.bf16_dot} bfloat16)" if self.bf16_dot and products == "C" else ""
-        products += f" ({self.f32_body} fp32)" if self.f32_body and products == "C" else ""
-        tiles = f", AMX tiles from {self.int8_tile_rows} rows" if self.int8_tile_rows else ""
-        int8 = f", int8 activations on the GGUF blocks ({self.int8_dot} dot products{tiles})" \
-            if self.int8_activations else ""
-        blocks = f", {self.widened_panels} weights from widened GGUF blocks" if self.widened_panels else ""
-        blocks += f", GGUF blocks on {'AMX tiles in fp32' if self.split_body == 'tiles' else 'FMAs'}" \
-            if self.split_body else ""
-        blocks += f", fp32 panels beside the compact from {self.wide_rows} rows" if self.wide_rows else ""
-        return f"cpu backend (C kernels, {products} products{int8}{blocks})"
-
-
-TIMING_TURNS = 5  # calls each body's best is taken over in _fastest_dot (the call that sizes its turns is one)
-
-
-def _fastest_dot(dots: list[str], use: Callable[[str], object], kernel: PackedLinear | SplitLinear, in_features: int,
-                 rows: tuple[int, ...] = (1, 16), what: str = "dot products") -> str:
-    """Time each body a product can run on (``dots``, made current by ``use``: the integer dot products VNNI and
-    AVX2's maddubs, which give the same bits; avx512_bf16's dot product and AMX tiles; or the fp32 products' panels
-    one or two at a time, the same bits) on a projection at ``rows``, and keep the fastest in the sum, for every
-    product of the process: measured here rather than assumed from the CPU's flags. The bodies take turns
-    (``best_in_turns``) and each keeps its best. NOTE: timed one after the other, once each, the fp32 bodies on an
-    AMD EPYC with AVX-512 read 4.01 / 1.35 ms (the first timed paid for the start) and 3.62 / 3.70 (the machine
-    slow for a moment): that server kept the body whose 64-client forward is 8-13% slower for its life. Three turns
-    still read 1.89 / 2.56 once in six starts. NOTE: each turn once warmed its body up again before timing it,
-    which only a body's first call needs: an 8B Q4_K_M's fp32 bodies (~0.1 s a call at 16 + 64 rows) took 2.2-2.7
-    s of its load step so, and as long again once started (``after_start_up``)."""
-    if len(dots) > 1:
-        inputs = [torch.randn(m, in_features) for m in rows]
-
-        def run(dot: str) -> None:
-            use(dot)
-            for x in inputs:
-                kernel(x, None)
-
-        seconds = best_in_turns({dot: partial(run, dot) for dot in dots}, turns=TIMING_TURNS - 1)
-        logger.info("%s, ms at %s rows: %s", what, " + ".join(map(str, rows)),
-                    ", ".join(f"{dot} {s * 1000:.2f}" for dot, s in seconds.items()))
-        dots = sorted(dots, key=seconds.get)
-    use(dots[0])
-    return dots[0]
-
-
-Q8X_TILE_ROWS = (4, 16, 64)  # the row counts from which the AMX tiles may take the int8 products
-
-
-def _tile_rows(kernel: PackedLinear, in_features: int) -> int:
-    """The fewest of ``Q8X_TILE_ROWS`` from which, at that row count and every larger one, the AMX tiles computed
-    ``kernel``'s int8 products faster than the dot product in use; 0 (never) where they did not, or where the CPU
-    has no tiles. Set for every int8 product of the process. Measured rather than assumed: a tile op sums 16 rows
-    at the cost of one, so a few rows leave most of it empty, and where that stops paying depends on the machine."""
-    cpu_kernels.set_q8x_tile_rows(0)
-    if not cpu_kernels.q8x_tiles_available():
-        return 0
-    chosen = 0
-    for rows in reversed(Q8X_TILE_ROWS):  # the most rows first: below the first loss nothing more is timed
-        x = torch.randn(rows, in_features)
-
-        def run(tile_rows: int, x: torch.Tensor = x) -> None:
-            cpu_kernels.set_q8x_tile_rows(tile_rows)
-            kernel(x, None)
-
-        seconds = best_in_turns({"dot": partial(run, 0), "tiles": partial(run, 1)}, turns=TIMING_TURNS - 1)
-        logger.info("int8 products at %d rows, ms: dot product %.2f, AMX tiles %.2f", rows, seconds["dot"] * 1e3,
-                    seconds["tiles"] * 1e3)
-        if seconds["tiles"] >= seconds["dot"]:
-            break
-        chosen = rows
-    cpu_kernels.set_q8x_tile_rows(chosen)
-    return chosen
+        int8 = ", int8 activations on the GGUF blocks" if self.int8_activations else ""
+        return f"cpu backend ({products} products{int8})"
 
 
 def _amx_panels(weight: torch.Tensor) -> torch.Tensor:

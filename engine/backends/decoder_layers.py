@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.backends.packed_linear import SplitLinear
+from kernels.cpu.bodies import Body
 from kernels.cpu.decoder import Decoder, DecoderShape, LayerWeights
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ def _fused(name: str, layer: Linear, wide: bool) -> dict[str, torch.Tensor | int
     return {name + suffix: value for suffix, value in _packed(layer, wide).items()}
 
 
-def decoder_of(model: LlamaForCausalLM, int8_activations: bool, wide: bool = False) -> Decoder:
-    """The model's packed layers, described for the one-call C decoder: over their fp32 panels where ``wide``
-    (``fp32_panels.py``)."""
+def decoder_of(model: LlamaForCausalLM, int8_activations: bool, body: Body, wide: bool = False) -> Decoder:
+    """The model's packed layers, described for the one-call C decoder, every product through ``body``: over their
+    fp32 panels where ``wide`` (``fp32_panels.py``)."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     shape = DecoderShape(
         hidden=model.config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
@@ -52,4 +53,4 @@ def decoder_of(model: LlamaForCausalLM, int8_activations: bool, wide: bool = Fal
             q_norm=_detached(a.q_norm and a.q_norm.weight), k_norm=_detached(a.k_norm and a.k_norm.weight),
         ))
     return Decoder(shape, layers, _detached(model.norm.weight), model.rotary.cos_cache, model.rotary.sin_cache,
-                   int8_activations)
+                   int8_activations, body)

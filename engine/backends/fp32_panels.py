@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends.gemm_plan import best_in_turns
 from engine.backends.packed_linear import PackedLinear, SplitLinear
+from engine.kernel_plan import PlanRow
 from engine.models.linear import Linear
+from engine.timing import best_in_turns
 from kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
@@ -70,17 +71,17 @@ def without_fp32_panels(kernel: Kernel) -> Kernel:
     return replace(kernel, wide=None, wide_rows=0)
 
 
-def attach(model: LlamaForCausalLM, free: int) -> int:
+def attach(model: LlamaForCausalLM, free: int) -> tuple[int, PlanRow | None]:
     """Give every compact projection of ``model`` and its LM head their fp32 panels where they fit (at most
     MAX_BYTES and MAX_FREE_SHARE of ``free``) and start-up measures them faster from some row count on: that row
-    count, else 0 (none kept)."""
+    count, else 0 (none kept), and the choice as a row of the kernel plan (None where there was none to make)."""
     modules = [m for m in _products(model) if fp32_bytes(m.kernel)]
     total, cap = sum(fp32_bytes(m.kernel) for m in modules), min(MAX_BYTES, int(free * MAX_FREE_SHARE))
     if not modules or total > cap:
-        if modules:
-            logger.info("no fp32 panels beside the compact ones: they would take %.0f MiB, over %.0f", total / 2**20,
-                        cap / 2**20)
-        return 0
+        if not modules:
+            return 0, None
+        note = f"they would take {total / 2**20:.0f} MiB, over {cap / 2**20:.0f}"
+        return 0, PlanRow("fp32 panels beside", "none", {}, "", note)
     timed, size = [], 0
     for module in modules:  # the first layers' (the LM head is last)
         if size >= TIMING_BYTES:
@@ -88,12 +89,11 @@ def attach(model: LlamaForCausalLM, free: int) -> int:
         module.kernel = with_fp32_panels(module.kernel)
         timed.append(module.kernel)
         size += fp32_bytes(module.kernel)
-    rows = from_rows(timed)
+    rows, seconds = from_rows(timed)
     for module in modules:
         module.kernel = with_fp32_panels(module.kernel, rows) if rows else without_fp32_panels(module.kernel)
-    if rows:
-        logger.info("fp32 panels beside the compact ones (%.0f MiB), read from %d rows on", total / 2**20, rows)
-    return rows
+    where = f"{len(timed)} weights, {total / 2**20:.0f} MiB of fp32 panels"
+    return rows, PlanRow("fp32 panels beside", f"from {rows} rows" if rows else "none", seconds, where)
 
 
 def held_bytes(model: LlamaForCausalLM) -> int:
@@ -101,24 +101,24 @@ def held_bytes(model: LlamaForCausalLM) -> int:
     return sum(part.wide.nbytes for m in _products(model) for part in m.kernel.parts if part.wide is not None)
 
 
-def from_rows(kernels: list[Kernel]) -> int:
+def from_rows(kernels: list[Kernel]) -> tuple[int, dict[str, float]]:
     """The fewest of the candidate row counts from which, at that count and every larger one, ``kernels``' products
-    (their fp32 panels attached) took less time over the fp32 panels than over the compact ones; 0 where none did.
+    (their fp32 panels attached) took less time over the fp32 panels than over the compact ones, 0 where none did;
+    and the seconds each took at each count timed.
     Measured, not assumed: where widening a slice costs little beside its FMAs, or the fp32 panels' four times the
     bytes cost more than it saves, the compact panels win at every count."""
     candidates = sorted({cpu_kernels.register_rows() + 1, *CANDIDATE_ROWS})
     in_features = {cpu_kernels.packed_geometry(part.packed)[0] for kernel in kernels for part in kernel.parts}
-    chosen = 0
+    chosen, timings = 0, {}
     for rows in reversed(candidates):  # the most rows first: below the first loss nothing more is timed
         x = {k: torch.randn(rows, k) for k in in_features}
         seconds = best_in_turns({name: partial(_each, kernels, x, name == "fp32") for name in ("compact", "fp32")},
                                 turns=TIMING_TURNS)
-        logger.info("products at %d rows over %d weights, ms: compact panels %.2f, fp32 panels %.2f", rows,
-                    len(kernels), seconds["compact"] * 1e3, seconds["fp32"] * 1e3)
+        timings |= {f"{name}@{rows}": value for name, value in seconds.items()}
         if seconds["fp32"] >= seconds["compact"]:
             break
         chosen = rows
-    return chosen
+    return chosen, timings
 
 
 def _each(kernels: list[Kernel], x: dict[int, torch.Tensor], wide: bool) -> None:

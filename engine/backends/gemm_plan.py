@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+from engine.kernel_plan import PlanRow
+from engine.timing import seconds_per_call
+
 logger = logging.getLogger(__name__)
 
 M_BUCKETS = (1, 4, 16, 64, 256)
@@ -47,46 +50,6 @@ def cpu_isa() -> str:
         return torch.backends.cpu.get_cpu_capability()
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return " ".join(f for f in _ISA_FLAGS if f in flags) or torch.backends.cpu.get_cpu_capability()
-
-
-def seconds_per_call(fn: Callable[[], object], budget_s: float = 0.01, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the mean time of ``fn`` over enough calls to fill ``budget_s``. A call that alone
-    fills the budget is one round (the first, which sized the rounds, counts): an 8B model's start-up timed its
-    layers' products in five calls each, 1.3 s of its load."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    reps = max(1, int(budget_s / max(first, 1e-6)))
-    times = [first] if reps == 1 else []
-    while len(times) < rounds:
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        times.append((time.perf_counter() - start) / reps)
-    return statistics.median(times)
-
-
-def best_in_turns(fns: dict[str, Callable[[], object]], turns: int = 2, budget_s: float = 0.01) -> dict[str, float]:
-    """Each of ``fns``' best mean time a call over the calls that size its turns (after one to warm it) and
-    ``turns`` turns in which they take turns, each turn enough calls to fill ``budget_s``. Why turns: a choice
-    between two bodies timed one after the other, all of one and then all of the other, went to the slower where
-    the machine was slow for a moment (a 1B Q4_K_M's tiles read 146 ms against 94-100 at other starts, and that
-    server kept the FMAs, 1.8x the time a token)."""
-    reps, best = {}, {}
-    for name, fn in fns.items():
-        fn()
-        start = time.perf_counter()
-        fn()
-        best[name] = time.perf_counter() - start
-        reps[name] = max(1, int(budget_s / max(best[name], 1e-6)))
-    for _ in range(turns):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(reps[name]):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / reps[name])
-    return best
 
 
 @cache
@@ -144,6 +107,14 @@ class GemmPlan:
         rates = ", ".join(f"M={m}: " + " / ".join(f"{name} {rates[i]:.0f}" for name, rates in self.gflops.items())
                           + f" -> {self.choice[i]}" for i, m in enumerate(self.buckets))
         return f"GEMM plan ({self.dtype}, ISA {self.isa}; GFLOP/s): {rates}"
+
+    def row(self) -> PlanRow:
+        """The choice as a row of the engine's kernel plan (GFLOP/s are in ``note``: what the family measured)."""
+        if not self.gflops:
+            return PlanRow("products", self.choice[0], {}, "", "the only family for these weights, or asked for")
+        rates = "; ".join(f"{name} " + "/".join(f"{r:.0f}" for r in rates) for name, rates in self.gflops.items())
+        return PlanRow("products", self.choice[0], {}, f"the first layer at M={'/'.join(map(str, self.buckets))}",
+                       f"GFLOP/s {rates}")
 
     def as_dict(self) -> dict:
         return {"isa": self.isa, "dtype": self.dtype, "buckets": list(self.buckets), "choice": list(self.choice),
@@ -242,8 +213,6 @@ def bf16_speedup() -> float:
     weight, x = torch.randn(2048, 2048) / 45, torch.randn(64, 2048)
     fp32, bf16 = cpu_kernels.pack_weight(weight), cpu_kernels.pack_weight_bf16c(weight)
     t32 = seconds_per_call(lambda: cpu_kernels.linear(x, fp32, 2048))
-    t16 = []
-    for dot in cpu_kernels.bf16_dots():
-        with cpu_kernels.bf16_body(dot):
-            t16.append(seconds_per_call(lambda: cpu_kernels.linear(x, bf16, 2048)))
+    t16 = [seconds_per_call(partial(cpu_kernels.linear, x, bf16, 2048, body=cpu_kernels.Body(bf16=dot)))
+           for dot in cpu_kernels.bf16_dots()]
     return t32 / min(t16)

@@ -121,6 +121,7 @@ class Int8ScreenedHead:
         if packed.dtype != torch.int8:
             raise ValueError(f"an int8 screen takes Q8 panels, got {packed.dtype}")
         self.packed, self.vocab_size = packed, vocab_size
+        self.body = cpu_kernels.DEFAULT_BODY  # the int8 and exact products' bodies (start-up's plan)
         # every batch size, until start-up's timing narrows it (screen_row_range)
         self.min_rows, self.max_rows = 1, 1 << 30
         self.error = cpu_kernels.row_norms(packed, vocab_size) * (1 + 2.0**-20)
@@ -138,7 +139,7 @@ class Int8ScreenedHead:
         m = hidden.shape[0]
         if m == 0 or not self.min_rows <= m <= self.max_rows:
             return None
-        approx = cpu_kernels.linear(hidden, self.packed, self.vocab_size, int8_activations=True)
+        approx = cpu_kernels.linear(hidden, self.packed, self.vocab_size, int8_activations=True, body=self.body)
         scale = self.row_scale(hidden)
         if not bool(torch.isfinite(scale).all()):
             return None
@@ -150,7 +151,7 @@ class Int8ScreenedHead:
 
     def exact_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token ids [M] from the exact head's full logits: what the screen must equal."""
-        return argmax_rows(cpu_kernels.linear(hidden, self.packed, self.vocab_size))
+        return argmax_rows(cpu_kernels.linear(hidden, self.packed, self.vocab_size, body=self.body))
 
     def row_scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """s [M] float64: |int8-activation logit j - exact logit j| <= s_m error_j for row m of ``hidden``."""
@@ -158,9 +159,10 @@ class Int8ScreenedHead:
         return (rounding * (1 + 2 * g) + 3 * g * hidden.double().norm(dim=1)) * (1 + 2.0**-20)
 
 
-def screen_row_range(screen: Int8ScreenedHead) -> tuple[int, int]:
+def screen_row_range(screen: Int8ScreenedHead) -> tuple[tuple[int, int], dict[str, float]]:
     """The batch sizes for which ``screen`` measured faster than the exact head and its argmax: the first run of
-    ``SCREEN_TIMING_ROWS`` at each of which it won, as (fewest, most) rows, or (0, 0). Each call finds the head out
+    ``SCREEN_TIMING_ROWS`` at each of which it won, as (fewest, most) rows, or (0, 0), and the seconds each took at each
+    count. Each call finds the head out
     of the caches, as a step does after streaming the layers' weights: one row is bound by reading the head either
     way, and the screen only adds to it; from a few rows on the exact product's FMAs bound it and the integer dot
     products win. The rows are the head's own columns, scaled: each has a clear argmax and few candidates, as a
@@ -168,18 +170,19 @@ def screen_row_range(screen: Int8ScreenedHead) -> tuple[int, int]:
     the next (AVX2's maddubs is no faster than the exact product at 64 rows)."""
     packed, vocab = screen.packed, screen.vocab_size
     flush = torch.zeros(_flush_bytes() // 4)
-    wins = []
+    wins, seconds = [], {}
     for rows in SCREEN_TIMING_ROWS:
         hidden = cpu_kernels.embed_rows(packed, torch.linspace(0, vocab - 1, rows).long(), vocab) * 4.0
         screened = _cold_seconds(partial(screen.argmax, hidden), flush)
         exact = _cold_seconds(partial(screen.exact_argmax, hidden), flush)
+        seconds |= {f"screen@{rows}": screened, f"exact@{rows}": exact}
         if screened < exact:
             wins.append(rows)
         elif wins:
             break  # the run has ended: larger batches are not timed
         if exact > SCREEN_TIMING_CALL_S:
             break
-    return (wins[0], wins[-1]) if wins else (0, 0)
+    return ((wins[0], wins[-1]) if wins else (0, 0)), seconds
 
 
 def _flush_bytes() -> int:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,7 @@ class PackedLinear:
     # compact panels' fp32 panels, which products of at least wide_rows rows read instead (fp32_panels.py)
     wide: torch.Tensor | None = None
     wide_rows: int = 0
+    body: cpu_kernels.Body = cpu_kernels.DEFAULT_BODY  # the bodies its products run through (start-up's plan)
 
     @property
     def parts(self) -> tuple[PackedLinear, ...]:
@@ -34,7 +35,8 @@ class PackedLinear:
         return self.read(rows >= self.wide_rows)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.panels(x.shape[0]), self.out_features, bias, self.int8_activations)
+        return cpu_kernels.linear(x, self.panels(x.shape[0]), self.out_features, bias, self.int8_activations,
+                                  body=self.body)
 
 
 @dataclass(frozen=True)
@@ -54,5 +56,14 @@ class SplitLinear:
         y = torch.empty(x.shape[0], n + self.tail.out_features, dtype=torch.float32)
         for part, columns in zip(self.parts, (slice(0, n), slice(n, None)), strict=True):
             cpu_kernels.linear(x, part.panels(x.shape[0]), part.out_features,
-                               None if bias is None else bias[columns], part.int8_activations, out=y[:, columns])
+                               None if bias is None else bias[columns], part.int8_activations, out=y[:, columns],
+                               body=part.body)
         return y
+
+
+def with_body(kernel: object, body: cpu_kernels.Body) -> object:
+    """``kernel`` (a ``PackedLinear`` or ``SplitLinear``) whose products run through ``body``; any other kernel as it
+    is (a oneDNN product has no bodies of ours)."""
+    if isinstance(kernel, SplitLinear):
+        return replace(kernel, head=with_body(kernel.head, body), tail=with_body(kernel.tail, body))
+    return replace(kernel, body=body) if isinstance(kernel, PackedLinear) else kernel

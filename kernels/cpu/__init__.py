@@ -12,9 +12,10 @@ This package's namespace holds them all, as the engine calls them (``cpu_kernels
 
 from kernels.cpu.bodies import (
     BF16_DOTS,
+    DEFAULT_BODY,
     F32_BODIES,
     Q8X_DOTS,
-    bf16_body,
+    Body,
     bf16_dots,
     f32_bodies,
     panel_width,
@@ -22,10 +23,6 @@ from kernels.cpu.bodies import (
     q8x_dots,
     q8x_tiles_available,
     register_rows,
-    set_bf16_dot,
-    set_f32_body,
-    set_q8x_dot,
-    set_q8x_tile_rows,
 )
 from kernels.cpu.formats import (
     BY_NAME,
@@ -86,15 +83,15 @@ from kernels.cpu.packing import (
 )
 
 __all__ = [
-    "BF16_DOTS", "BY_NAME", "COMPACT_DTYPES", "F32_BODIES", "FORMATS", "FORMAT_NAMES", "HP_Q8X", "KV_FORMATS",
-    "Q8X_DOTS", "TILE_WIDTH", "WEIGHT_FORMATS", "WIDENED_TILE_BYTES", "PanelFormat", "add_rms_norm",
-    "apply_token_bitmask", "argmax_linear", "as_split", "available", "bf16_body", "bf16_dots", "bf16_panels_enabled",
+    "BF16_DOTS", "BY_NAME", "COMPACT_DTYPES", "DEFAULT_BODY", "F32_BODIES", "FORMATS", "FORMAT_NAMES", "HP_Q8X",
+    "KV_FORMATS", "Q8X_DOTS", "Body", "TILE_WIDTH", "WEIGHT_FORMATS", "WIDENED_TILE_BYTES", "PanelFormat",
+    "add_rms_norm", "apply_token_bitmask", "argmax_linear", "as_split", "available", "bf16_dots", "bf16_panels_enabled",
     "check", "embed_rows", "f32_bodies", "format_of", "gguf_format", "int8_rows", "kv_format", "library", "linear",
     "linear_int8", "pack_blocks", "pack_gguf", "pack_gguf_ksplit", "pack_gguf_rows", "pack_gguf_widened",
     "pack_weight", "pack_weight_bf16a", "pack_weight_bf16c", "pack_weight_blocks", "pack_weight_compact",
     "pack_weight_int8", "pack_weight_q4a", "pack_weight_q6a", "pack_weight_q8a", "packed_geometry",
     "paged_decode_attention", "panel_layout", "panel_width", "q8x_available", "q8x_dots", "q8x_rounding_error",
-    "q8x_tiles_available", "register_rows", "rms_norm", "rotary_", "row_norms", "screened_argmax", "set_bf16_dot",
-    "set_f32_body", "set_q8x_dot", "set_q8x_tile_rows", "shm_sum", "shm_sum_bytes", "silu_mul", "store_kv",
+    "q8x_tiles_available", "register_rows", "rms_norm", "rotary_", "row_norms", "screened_argmax",
+    "shm_sum", "shm_sum_bytes", "silu_mul", "store_kv",
     "widen_panels",
 ]

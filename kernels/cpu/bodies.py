@@ -1,43 +1,41 @@
-"""Which bodies this build and CPU have for each kind of product, and which one runs: the kernels' panel width and
-register rows, the bfloat16 bodies (FMAs, avx512_bf16, AMX tiles), the fp32 bodies of many rows (one panel or
-pairs), the int8 dot products (VNNI, maddubs) and AMX tiles for them. The backend times them at start-up and sets
-the fastest (``engine/backends/cpu.py``); the setters act for the whole process.
+"""The bodies this build and CPU have for each kind of product, and ``Body``: the ones a product runs through.
+
+A kind of product may have several bodies: the bfloat16 products (the FMAs, avx512_bf16's dot product, AMX tiles),
+the fp32 products of many rows (one panel at a time, or whole pairs), the int8-activation products (VNNI's or
+maddubs' dot product, and AMX tiles from some number of rows on). Start-up times them on the machine at hand
+(``engine/backends/cpu.py``, ``engine/kernel_plan.py``) and the chosen ones travel with every call, as bits of the
+product word (ops.h): no state of the process says how a product runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass, fields
 
 from kernels.cpu.library import library
 
 
 def panel_width() -> int:
-    """Output columns per panel (NR in ops.c)."""
+    """Output columns per panel (NR in panels.h)."""
     return library().hp_panel_width()
 
 
 def register_rows() -> int:
-    """The most rows a product over compact panels computes without widening them into fp32 first (MRF in ops.c)."""
+    """The most rows a product over compact panels computes without widening them into fp32 first (MRF)."""
     return library().hp_register_rows()
 
 
-BF16_DOTS = {"fma": 0, "dpbf16": 1, "amx": 2}  # enum hp_bf16_dot (ops.h): the bodies that compute BF16C panels
+# The bodies of each kind, by name: the enums of ops.h (hp_bf16_dot, hp_f32_body, hp_q8x_dot)
+BF16_DOTS = {"fma": 0, "dpbf16": 1, "amx": 2}
+F32_BODIES = {"panels": 0, "pairs": 1}
+Q8X_DOTS = {"vnni": 0, "maddubs": 1}
+# Where each kind's field sits in a product word (ops.h: HP_BF16_BODY_AT ...), and the tile rows' field
+_FIELD_AT = {"bf16": (9, BF16_DOTS), "f32": (11, F32_BODIES), "int8_dot": (13, Q8X_DOTS)}
+_TILE_ROWS_AT, _MAX_TILE_ROWS = 16, 255
 
 
 def _bodies(found: int, codes: dict[str, int]) -> list[str]:
     """The names of ``codes`` whose bit is set in ``found``, the library's mask of the bodies it has."""
     return [name for name, code in codes.items() if found & 1 << code]
-
-
-def _set_body(set_code: Callable[[int], int], codes: dict[str, int], name: str, what: str,
-              available: Callable[[], list[str]]) -> str:
-    """``name``'s code through the library's setter ``set_code`` (which answers the code before, or -1 where the
-    build lacks it); the name of the body before."""
-    before = set_code(codes.get(name, -1))
-    if before < 0:
-        raise ValueError(f"this build has no {name!r} {what} (it has {available()})")
-    return next(n for n, code in codes.items() if code == before)
 
 
 def bf16_dots() -> list[str]:
@@ -46,36 +44,11 @@ def bf16_dots() -> list[str]:
     return _bodies(library().hp_bf16_dots(), BF16_DOTS)
 
 
-def set_bf16_dot(name: str) -> str:
-    """Which of ``bf16_dots()`` computes BF16C panels from now on, in every thread (the backend times them at
-    start; one body for all products, so a row's bits do not depend on the batch). Returns the body before."""
-    return _set_body(library().hp_set_bf16_dot, BF16_DOTS, name, "bfloat16 body", bf16_dots)
-
-
-@contextmanager
-def bf16_body(name: str) -> Iterator[None]:
-    """``set_bf16_dot(name)`` for a ``with`` block, the body before it back after (timings, tests, benches)."""
-    before = set_bf16_dot(name)
-    try:
-        yield
-    finally:
-        set_bf16_dot(before)
-
-
-F32_BODIES = {"panels": 0, "pairs": 1}  # enum hp_f32_body (ops.c): the bodies of fp32 products from 5 rows on
-
-
 def f32_bodies() -> list[str]:
-    """The bodies this build has for fp32 products of 5 rows and more, all with the same bits: each 24-column panel
-    on its own (one 16-lane and one 8-lane FMA a row and k) and, where built for AVX-512, whole panels two at a
-    time (three 16-lane FMAs)."""
+    """The bodies this build has for fp32 products of more than ``register_rows()`` rows, all with the same bits:
+    each 24-column panel on its own (one 16-lane and one 8-lane FMA a row and k) and, where built for AVX-512,
+    whole panels two at a time (three 16-lane FMAs)."""
     return _bodies(library().hp_f32_bodies(), F32_BODIES)
-
-
-def set_f32_body(name: str) -> str:
-    """Which of ``f32_bodies()`` computes fp32 products from now on, in every thread (the backend times them at
-    start). Returns the body before."""
-    return _set_body(library().hp_set_f32_body, F32_BODIES, name, "fp32 body", f32_bodies)
 
 
 def q8x_available() -> bool:
@@ -84,19 +57,9 @@ def q8x_available() -> bool:
     return bool(library().hp_q8x_available())
 
 
-Q8X_DOTS = {"vnni": 1, "maddubs": 2}  # ops.c: the integer dot products the int8-activation products can use
-
-
 def q8x_dots() -> list[str]:
     """The integer dot products this build has for int8-activation products (``Q8X_DOTS``)."""
-    found = library().hp_q8x_dots()
-    return [name for name, bit in Q8X_DOTS.items() if found & bit]
-
-
-def set_q8x_dot(name: str) -> None:
-    """Which of ``q8x_dots()`` the int8-activation products use from now on (the backend times them at start)."""
-    if library().hp_set_q8x_dot(Q8X_DOTS.get(name, 0)):
-        raise ValueError(f"this build has no {name!r} dot product (it has {q8x_dots()})")
+    return _bodies(library().hp_q8x_dots(), Q8X_DOTS)
 
 
 def q8x_tiles_available() -> bool:
@@ -105,8 +68,41 @@ def q8x_tiles_available() -> bool:
     return bool(library().hp_q8x_tiles_available())
 
 
-def set_q8x_tile_rows(rows: int) -> None:
-    """From how many rows on AMX tiles take the int8-activation products from now on (0: never; the backend
-    times them at start)."""
-    if library().hp_set_q8x_tile_rows(rows):
-        raise ValueError(f"no AMX tiles for the int8 products here (rows={rows})")
+_AVAILABLE = {"bf16": bf16_dots, "f32": f32_bodies, "int8_dot": q8x_dots}
+
+
+@dataclass(frozen=True)
+class Body:
+    """The bodies a product runs through: for each kind a name of that kind's table, or None for this build's
+    default (avx512_bf16's dot where built, else the FMAs; pairs where built; VNNI where built, else maddubs), and
+    from how many rows AMX tiles take the int8 products (0: never). Checked against what this build and CPU have
+    when made, so a product never names a body it lacks."""
+
+    bf16: str | None = None
+    f32: str | None = None
+    int8_dot: str | None = None
+    int8_tile_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for kind, available in _AVAILABLE.items():
+            name = getattr(self, kind)
+            if name is not None and name not in available():
+                raise ValueError(f"this build has no {name!r} {kind} body (it has {available()})")
+        if not 0 <= self.int8_tile_rows <= _MAX_TILE_ROWS or (self.int8_tile_rows and not q8x_tiles_available()):
+            raise ValueError(f"no AMX tiles for the int8 products from {self.int8_tile_rows} rows here")
+
+    def word(self) -> int:
+        """The body's bits of a product word (ops.h), to be or-ed with the format's code."""
+        bits = self.int8_tile_rows << _TILE_ROWS_AT
+        for kind, (at, codes) in _FIELD_AT.items():
+            name = getattr(self, kind)
+            bits |= 0 if name is None else (1 + codes[name]) << at
+        return bits
+
+    def describe(self) -> str:
+        """Its fields that differ from the defaults, as ``kind=name``; ``default`` where none."""
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return ", ".join(parts) or "default"
+
+
+DEFAULT_BODY = Body()

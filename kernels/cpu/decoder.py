@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kernels import kv_int8
+from kernels.cpu.bodies import DEFAULT_BODY, Body
 from kernels.cpu.formats import HP_Q8X, WEIGHT_FORMATS, packed_geometry
 from kernels.cpu.library import c_float, c_i64, c_int, library, ptr
 from kernels.cpu.ops import check, kv_format
@@ -99,6 +100,7 @@ class Decoder:
         cos_cache: torch.Tensor,  # [max_position, head_dim]
         sin_cache: torch.Tensor,
         int8_activations: bool = False,  # block panels multiply int8 activations (cpu.linear's flag)
+        body: Body = DEFAULT_BODY,  # the bodies every product runs through (cpu.linear's)
     ) -> None:
         s = shape
         if s.head_dim % 8 or s.num_heads % s.num_kv_heads:
@@ -140,7 +142,7 @@ class Decoder:
                     if t.dim() != 3 or packed_geometry(t)[0] != k or packed_geometry(t)[1] < n:
                         raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
                     setattr(self._layers[i], f"{f.name}_format",
-                            WEIGHT_FORMATS[t.dtype] | (HP_Q8X if int8_activations else 0))
+                            WEIGHT_FORMATS[t.dtype] | (HP_Q8X if int8_activations else 0) | body.word())
                 else:
                     _contiguous(t, name)
                     if tuple(t.shape) != expected[f.name]:

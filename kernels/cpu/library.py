@@ -91,9 +91,7 @@ _SIGNATURES = {
     "hp_pack_words": [ptr, ptr, c_int, c_int, c_int],
     "hp_q8x_available": [],
     "hp_q8x_dots": [],
-    "hp_set_q8x_dot": [c_int],
     "hp_q8x_tiles_available": [],
-    "hp_set_q8x_tile_rows": [c_int],
     "hp_shm_sum": [ptr, c_int, c_int, c_i64, ptr, c_i64, c_i64, ctypes.c_double],
     "hp_shm_sum_bytes": [c_int, c_i64],
     "hp_linear": [ptr, c_i64, ptr, ptr, ptr, c_i64, c_int, c_int, c_int],
@@ -118,22 +116,17 @@ _SIGNATURES = {
     "hp_pack_gguf_ksplit": [c_int, ptr, c_int, c_int, ptr],
     "hp_apply_token_bitmask": [ptr, c_i64, ptr, ptr, c_int, c_int, c_int],
     "hp_bf16_dots": [],
-    "hp_set_bf16_dot": [c_int],
     "hp_f32_bodies": [],
-    "hp_set_f32_body": [c_int],
 }
-_RESULTS = {"hp_argmax_packed": c_int, "hp_q8x_available": c_int, "hp_q8x_dots": c_int, "hp_set_q8x_dot": c_int,
-            "hp_q8x_tiles_available": c_int, "hp_set_q8x_tile_rows": c_int,
-            "hp_embed_rows": c_int, "hp_row_norms": c_int, "hp_widen_panels": c_int,
-            "hp_find_blocks": c_int, "hp_bf16_dots": c_int, "hp_set_bf16_dot": c_int, "hp_f32_bodies": c_int,
-            "hp_set_f32_body": c_int,
-            "hp_shm_sum": c_int, "hp_shm_sum_bytes": c_i64,
-            "hp_pack_gguf": c_i64, "hp_pack_gguf_widened": c_i64,
+_RESULTS = {"hp_argmax_packed": c_int, "hp_q8x_available": c_int, "hp_q8x_dots": c_int,
+            "hp_q8x_tiles_available": c_int, "hp_embed_rows": c_int, "hp_row_norms": c_int, "hp_widen_panels": c_int,
+            "hp_find_blocks": c_int, "hp_bf16_dots": c_int, "hp_f32_bodies": c_int, "hp_shm_sum": c_int,
+            "hp_shm_sum_bytes": c_i64, "hp_pack_gguf": c_i64, "hp_pack_gguf_widened": c_i64,
             "hp_pack_gguf_ksplit": c_i64}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Sets the signatures of the kernels a build of ops.c exports (an older revision's build may lack some)."""
+    """Sets the signatures of the kernels a build exports (an older revision's build may lack some)."""
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name, None)
         if fn is not None:

@@ -114,24 +114,16 @@ static inline __attribute__((always_inline)) void panel_pair_product(int p, int 
  * a step's Q4 products at 1-110 rows (fp32 activations), 13-19% with int8 activations at 16-64 rows, 1-12% off
  * fp32 panels' (docs/benchmarks.md). */
 
-/* The bodies of the fp32 products from 5 rows on (enum hp_f32_body): each panel on its own (micro_kernel_f32w), or
- * whole panels two at a time (micro_kernel_f32w2), the same bits. Pairs by default where built; the backend times
- * both at start-up and keeps the faster. */
-enum hp_f32_body { HP_F32_PANELS = 0, HP_F32_PAIRS = 1 };
-static int f32_body = HP_F32_WIDE ? HP_F32_PAIRS : HP_F32_PANELS;
+/* The bodies of the fp32 products from MRF + 1 rows on (enum hp_f32_body): each panel on its own
+ * (micro_kernel_f32w), or whole panels two at a time (micro_kernel_f32w2), the same bits. The backend times both at
+ * start-up and names the faster in each product word (HP_F32_BODY_AT); pairs by default where built. */
 int hp_f32_bodies(void) { return 1 << HP_F32_PANELS | (HP_F32_WIDE ? 1 << HP_F32_PAIRS : 0); }
-/* Makes ``body`` the body and returns the one before it, or -1 (nothing changed) where this build lacks it. */
-int hp_set_f32_body(int body) {
-    if (body < 0 || body > HP_F32_PAIRS || !(hp_f32_bodies() & 1 << body)) return -1;
-    const int before = f32_body;
-    f32_body = body;
-    return before;
-}
 
 /* Pairs of whole panels a product's loop takes as one task each (panel_pair_product): all of them where its rows
- * are compute-bound (more than MRF) and the body is pairs, else none. The int8 panels keep their own kernel. */
-static inline int panel_pairs(int M, int N, int format) {
-    return f32_body == HP_F32_PAIRS && M > MRF && format != I8_PANELS ? N / NR / 2 : 0;
+ * are compute-bound (more than MRF) and the body ``f32`` is pairs (and built), else none. The int8 panels keep their
+ * own kernel. */
+static inline int panel_pairs(int M, int N, int format, int f32) {
+    return HP_F32_WIDE && f32 == HP_F32_PAIRS && M > MRF && format != I8_PANELS ? N / NR / 2 : 0;
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w^T (+ bias), w packed by hp_pack_weight.
@@ -145,8 +137,8 @@ static inline int panel_pairs(int M, int N, int format) {
  * 64 rows on, ~90% of their FMA peak.
  * NOTE: each weight format has its own parallel loop (LINEAR_LOOP, written once per format), so OpenMP outlines one
  * body per format with the format a constant; a shared body had made it a runtime flag inside the micro-kernel. */
-#define LINEAR_LOOP(bias, scales, format)                                                                             \
-    const int pairs = panel_pairs(M, N, format), panels = (N + NR - 1) / NR;                                          \
+#define LINEAR_LOOP(bias, scales, format, f32)                                                                        \
+    const int pairs = panel_pairs(M, N, format, f32), panels = (N + NR - 1) / NR;                                     \
     for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                                       \
         int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;                                                             \
         _Pragma("omp parallel for schedule(guided)") for (int t = 0; t < panels - pairs; t++) {                       \
@@ -157,9 +149,10 @@ static inline int panel_pairs(int M, int N, int format) {
         }                                                                                                             \
     }
 
+/* hp_linear_packed for fp32 panels with this build's default bodies. */
 void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int M,
                int N, int K) {
-    LINEAR_LOOP(bias, 0, F32_PANELS)
+    hp_linear_packed(HP_F32, x, ldx, packed, bias, y, ldy, M, N, K);
 }
 
 /* hp_linear for the same weights packed in any format of enum hp_weight_format but HP_I8, with the same bits:
@@ -170,36 +163,36 @@ void hp_linear(const float *x, int64_t ldx, const float *packed, const float *bi
  *   BF16 panels (every weight's low 16 bits zero; K % 2 == 0): half the bytes.
  * One or a few rows dequantize in registers, so a decode step at a small batch streams only the compact bytes from
  * memory; more rows share one fp32 copy of each panel slice. */
-void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+void hp_linear_packed(int word, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                       int64_t ldy, int M, int N, int K) {
-    if (format & HP_Q8X) { /* int8 activations where asked, the format a block format and the CPU able */
-        format &= ~HP_Q8X;
-        if (hp_q8x_available() && format != HP_F32 && format != HP_I8 && format != HP_BF16 && format != HP_BF16C) {
-            hp_linear_q8x(format, x, ldx, packed, bias, y, ldy, M, N, K);
-            return;
-        }
+    const int format = word & HP_FORMAT_BITS, f32 = hp_f32_body(word, HP_F32_WIDE);
+    /* int8 activations where asked, the format a block format and the CPU able */
+    if (word & HP_Q8X && hp_q8x_available() && format != HP_F32 && format != HP_I8 && format != HP_BF16 &&
+        format != HP_BF16C) {
+        hp_linear_q8x(word, x, ldx, packed, bias, y, ldy, M, N, K);
+        return;
     }
     if (format == HP_Q4) {
-        LINEAR_LOOP(bias, 0, Q4_PANELS)
+        LINEAR_LOOP(bias, 0, Q4_PANELS, f32)
     } else if (format == HP_Q8) {
-        LINEAR_LOOP(bias, 0, Q8_PANELS)
+        LINEAR_LOOP(bias, 0, Q8_PANELS, f32)
     } else if (format == HP_Q5) {
-        LINEAR_LOOP(bias, 0, Q5_PANELS)
+        LINEAR_LOOP(bias, 0, Q5_PANELS, f32)
     } else if (format == HP_Q6M) {
-        LINEAR_LOOP(bias, 0, Q6M_PANELS)
+        LINEAR_LOOP(bias, 0, Q6M_PANELS, f32)
     } else if (format == HP_Q4K) {
-        LINEAR_LOOP(bias, 0, Q4K_PANELS)
+        LINEAR_LOOP(bias, 0, Q4K_PANELS, f32)
     } else if (format == HP_Q5K) {
-        LINEAR_LOOP(bias, 0, Q5K_PANELS)
+        LINEAR_LOOP(bias, 0, Q5K_PANELS, f32)
     } else if (format == HP_Q6K) {
-        LINEAR_LOOP(bias, 0, Q6K_PANELS)
+        LINEAR_LOOP(bias, 0, Q6K_PANELS, f32)
     } else if (format == HP_BF16) {
-        LINEAR_LOOP(bias, 0, BF16_PANELS)
+        LINEAR_LOOP(bias, 0, BF16_PANELS, f32)
     } else if (format == HP_BF16C) {
-        hp_linear_bf16c(x, ldx, packed, bias, y, ldy, M, N, K);
+        hp_linear_bf16c(hp_bf16_body(word), x, ldx, packed, bias, y, ldy, M, N, K);
     } else if (hp_split_format(format) || format == HP_BF16A || format == HP_Q4A || format == HP_Q6A ||
                format == HP_Q8A) {
-        /* packed only where AMX runs (kernels/cpu/__init__.py): NaN, never garbage */
+        /* packed only where AMX runs (kernels/cpu/packing.py): NaN, never garbage */
         const int failed = hp_split_format(format)
                                ? hp_linear_split_amx(format, x, ldx, packed, bias, y, ldy, M, N, K)
                                : hp_linear_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_BF16A ? 0 : format,
@@ -208,15 +201,14 @@ void hp_linear_packed(int format, const float *x, int64_t ldx, const void *packe
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++) y[m * ldy + n] = NAN;
     } else {
-        hp_linear(x, ldx, packed, bias, y, ldy, M, N, K);
+        LINEAR_LOOP(bias, 0, F32_PANELS, f32)
     }
 }
-
 
 /* y [M, N] ~= x . w^T for int8 panels and per-column scales [>= N]: a quarter of the fp32 weight's bytes, for
  * products whose error is bounded and checked by the caller (the LM head's screened argmax). A panel is
  * [K / 4, NV, 8, 4]: lane l of vector v holds column 8 v + l at four consecutive k, low byte first; K % 4 == 0. */
 void hp_linear_i8(const float *x, int64_t ldx, const signed char *packed, const float *scales, float *y, int64_t ldy,
                   int M, int N, int K) {
-    LINEAR_LOOP(0, scales, I8_PANELS)
+    LINEAR_LOOP(0, scales, I8_PANELS, HP_F32_PANELS)
 }

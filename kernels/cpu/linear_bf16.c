@@ -21,21 +21,12 @@
 static inline v8f bf16_pair_lo(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w << 16}).f); }
 static inline v8f bf16_pair_hi(uint32_t w) { return splat8(((union { uint32_t u; float f; }){w & 0xffff0000u}).f); }
 
-/* The body that computes BF16C products (enum hp_bf16_dot). By default avx512_bf16's dot product where the CPU has
- * it, else the FMAs with its bits; the backend times every body this CPU has (AMX tiles too, amx.c: their own
- * bits) at start-up and keeps the fastest for the process. */
-static int bf16_dot = HP_NATIVE_BF16 ? HP_BF16_DPBF16 : HP_BF16_FMA;
+/* The bodies that can compute BF16C products (enum hp_bf16_dot): the FMAs always, avx512_bf16's dot product where the
+ * CPU has it, AMX tiles (arch/x86/amx_bf16.c: their own bits) where it has them. The backend times every one at
+ * start-up and names the fastest in each product word (HP_BF16_BODY_AT). */
 int hp_bf16_dots(void) {
     return 1 << HP_BF16_FMA | (HP_NATIVE_BF16 ? 1 << HP_BF16_DPBF16 : 0) |
            (hp_amx_bf16_available() ? 1 << HP_BF16_AMX : 0);
-}
-/* Makes ``dot`` the body and returns the one before it, or -1 (nothing changed) where this CPU lacks ``dot``. */
-int hp_bf16_dot_in_use(void) { return bf16_dot; }
-int hp_set_bf16_dot(int dot) {
-    if (dot < 0 || dot > HP_BF16_AMX || !(hp_bf16_dots() & 1 << dot)) return -1;
-    const int before = bf16_dot;
-    bf16_dot = dot;
-    return before;
 }
 
 /* The activations of a BF16C product, rounded to bfloat16 and packed by groups of MRB rows: for group g and pair
@@ -158,9 +149,9 @@ static __attribute__((noinline)) void panel_product_bf16c_fma(int p, int m0, int
 
 /* hp_linear_packed for BF16C panels (K even). The packed activations live in a buffer of the calling thread, grown
  * as needed and kept: a decode step calls this ~4 times a layer. Row blocks (multiples of MRB) stay in L2. */
-void hp_linear_bf16c(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
-                     int M, int N, int K) {
-    if (bf16_dot == HP_BF16_AMX && hp_linear_bf16c_amx(x, ldx, packed, NR, 0, bias, y, ldy, M, N, K) == 0) return;
+void hp_linear_bf16c(int body, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                     int64_t ldy, int M, int N, int K) {
+    if (body == HP_BF16_AMX && hp_linear_bf16c_amx(x, ldx, packed, NR, 0, bias, y, ldy, M, N, K) == 0) return;
     static __thread uint32_t *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int64_t need = (int64_t)((M + MRB - 1) / MRB) * MRB * (K / 2);
@@ -174,7 +165,7 @@ void hp_linear_bf16c(const float *x, int64_t ldx, const void *packed, const floa
     const int block = ROW_BLOCK / MRB * MRB;
     for (int m0 = 0; m0 < M; m0 += block) {
         int m1 = m0 + block < M ? m0 + block : M;
-        if (bf16_dot != HP_BF16_FMA) {
+        if (body != HP_BF16_FMA && HP_NATIVE_BF16) {
 #pragma omp parallel for schedule(guided)
             for (int p = 0; p < (N + NR - 1) / NR; p++)
                 panel_product_bf16c_native(p, m0, m1, a, packed, bias, y, ldy, N, K);

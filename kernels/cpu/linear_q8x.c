@@ -22,25 +22,12 @@
 #include "products.h"
 #include "q8x.h"
 
-/* The Q8X dot products this build has (bit 0: VNNI's u8 x s8, bit 1: AVX2's s8 x s8), and the one products use:
- * the backend times both where both exist (hp_set_q8x_dot) and keeps the faster. */
-enum { Q8X_VNNI = 1, Q8X_MADDUBS = 2 };
-static int q8x_dot = HP_DOT_U8S8 ? Q8X_VNNI : Q8X_MADDUBS;
-int hp_q8x_dots(void) { return (HP_DOT_U8S8 ? Q8X_VNNI : 0) | (HP_DOT_S8S8 ? Q8X_MADDUBS : 0); }
+/* The Q8X dot products this build has (bit 0: VNNI's u8 x s8, bit 1: AVX2's s8 x s8; enum hp_q8x_dot): the backend
+ * times both where both exist and names the faster in each product word (HP_Q8X_DOT_AT). */
+#define Q8X_VNNI HP_Q8X_VNNI
+#define Q8X_MADDUBS HP_Q8X_MADDUBS
+int hp_q8x_dots(void) { return (HP_DOT_U8S8 ? 1 << Q8X_VNNI : 0) | (HP_DOT_S8S8 ? 1 << Q8X_MADDUBS : 0); }
 int hp_q8x_available(void) { return hp_q8x_dots() != 0; }
-/* From how many rows on AMX tiles take the Q8X products instead of the dot product (0: never; the same bits, so
- * the backend sets it from its timings at start-up: hp_set_q8x_tile_rows). */
-static int q8x_tile_rows = 0;
-int hp_set_q8x_tile_rows(int rows) {
-    if (rows < 0 || (rows && !hp_q8x_tiles_available())) return -1;
-    q8x_tile_rows = rows;
-    return 0;
-}
-int hp_set_q8x_dot(int dot) {
-    if (!(hp_q8x_dots() & dot) || (dot != Q8X_VNNI && dot != Q8X_MADDUBS)) return -1;
-    q8x_dot = dot;
-    return 0;
-}
 
 static void quantize_rows_q8x(const float *x, int64_t ldx, int M, int K, int nibbles, int32_t *words, float *d,
                               int32_t *sums) {
@@ -248,20 +235,23 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
             panel_product_q8x(p, m0, m1, rows, packed, bias, y, ldy, N, K, format, dot);                              \
     }
 #define Q8X_LOOP(format)                                                                                              \
-    if (q8x_tile_rows && M >= q8x_tile_rows) { /* set only where hp_q8x_tiles_available() */               \
-        hp_q8x_amx(format, rows, M, packed, bias, y, ldy, N, K);                                                     \
-    } else if (q8x_dot == Q8X_VNNI && HP_DOT_U8S8) {                                                                 \
+    if (tile_rows && M >= tile_rows) {                                                                                \
+        hp_q8x_amx(format, rows, M, packed, bias, y, ldy, N, K);                                                      \
+    } else if (dot == Q8X_VNNI && HP_DOT_U8S8) {                                                                      \
         Q8X_LOOP_DOT(format, Q8X_VNNI)                                                                                \
     } else {                                                                                                          \
         Q8X_LOOP_DOT(format, Q8X_MADDUBS)                                                                             \
     }
 
 /* hp_linear_packed for a block format with HP_Q8X. The int8 rows live in a buffer of the calling thread, grown as
- * needed and kept: a decode step calls this ~4 times a layer.
+ * needed and kept: a decode step calls this ~4 times a layer. ``word``: the format and its body fields (ops.h).
  * NOTE: faster than the exact products at every row count measured (1.4-3.3x from 1 to 256 rows on the AMD EPYC,
  * Q4_K, Q6_K, Q8_0 and mixed panels of an 8192 x 2048 weight), so it takes every call it is asked for. */
-void hp_linear_q8x(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+void hp_linear_q8x(int word, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                    int64_t ldy, int M, int N, int K) {
+    const int format = word & HP_FORMAT_BITS, dot = hp_q8x_dot(word);
+    /* the tiles only where this CPU lets the process use them; elsewhere the word's rows are never taken */
+    const int tile_rows = hp_q8x_tiles_available() ? hp_q8x_tile_rows(word) : 0;
     static __thread char *buffer = 0;
     static __thread int64_t buffer_size = 0;
     const int64_t blocks = K / Q8_GROUP;

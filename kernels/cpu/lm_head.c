@@ -11,8 +11,9 @@
 /* ids [M] = each row's argmax (torch's: the first of equal maxima, a NaN the largest) over the N columns of
  * hp_linear_packed(format, x, packed) without bias, from the same products, where AMX computes them (amx.c); else -1
  * and nothing written. */
-int hp_argmax_packed(int format, const float *x, int64_t ldx, const void *packed, int M, int N, int K, int64_t *ids) {
-    if (format == HP_BF16C && hp_bf16_dot_in_use() == HP_BF16_AMX)
+int hp_argmax_packed(int word, const float *x, int64_t ldx, const void *packed, int M, int N, int K, int64_t *ids) {
+    const int format = word & HP_FORMAT_BITS;
+    if (format == HP_BF16C && hp_bf16_body(word) == HP_BF16_AMX)
         return hp_argmax_bf16c_amx(x, ldx, packed, NR, 0, M, N, K, ids);
     if (format == HP_BF16A || format == HP_Q4A || format == HP_Q6A || format == HP_Q8A)
         return hp_argmax_bf16c_amx(x, ldx, packed, HP_BF16A_WIDTH, format == HP_BF16A ? 0 : format, M, N, K, ids);

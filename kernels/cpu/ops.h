@@ -18,7 +18,7 @@ enum hp_weight_format {
  * BF16C panel is a tile and a half: its second tile op runs half empty). Only AMX tiles compute them (amx.c). */
 #define HP_BF16A_WIDTH 32
 
-/* The bodies that can compute BF16C products (hp_set_bf16_dot): the portable FMAs, avx512_bf16's dot product (the
+/* The bodies that can compute BF16C products (HP_BF16_BODY_AT): the portable FMAs, avx512_bf16's dot product (the
  * same bits), AMX tiles (amx.c: their own bits; weights whose K is a multiple of 32, others keep the dot product). */
 enum hp_bf16_dot { HP_BF16_FMA = 0, HP_BF16_DPBF16 = 1, HP_BF16_AMX = 2 };
 /* Bytes of one tile (16 columns x 32 inputs) of the widened panels, which hold a GGUF file's blocks for AMX (amx.c;
@@ -68,9 +68,19 @@ static inline int64_t hp_widened_tile_bytes(int format) {
                                                   : HP_Q4A_TILE_BYTES;
 }
 
-/* A flag on a block format's code: multiply with the activations rounded to int8 (hp_linear_packed), where the CPU
- * has u8 x s8 dot products (hp_q8x_available). */
+/* The word that names a product (hp_linear_packed's and hp_argmax_packed's first argument, the decoder's *_format
+ * fields): the weights' format (bits 0-7, enum hp_weight_format); HP_Q8X, the activations rounded to int8 (a block
+ * format, where the CPU has u8 x s8 dot products: hp_q8x_available); and the body that computes it, which start-up
+ * chose for this machine (kernels/cpu/bodies.py). A body field of 0 is this build's default. The choice travels with
+ * every call: no state of the process says how a product runs, so two engines in one process may differ. */
 #define HP_Q8X 256
+#define HP_FORMAT_BITS 255
+#define HP_BF16_BODY_AT 9      /* 2 bits: 1 + enum hp_bf16_dot */
+#define HP_F32_BODY_AT 11      /* 2 bits: 1 + enum hp_f32_body, from MRF + 1 rows on */
+#define HP_Q8X_DOT_AT 13       /* 2 bits: 1 + enum hp_q8x_dot */
+#define HP_Q8X_TILE_ROWS_AT 16 /* 8 bits: from how many rows AMX tiles take the int8 products (0: never) */
+enum hp_f32_body { HP_F32_PANELS = 0, HP_F32_PAIRS = 1 };
+enum hp_q8x_dot { HP_Q8X_VNNI = 0, HP_Q8X_MADDUBS = 1 };
 int hp_q8x_available(void);
 /* Whether AMX tiles can take the int8-activation products (arch/x86/amx_int8.c). */
 int hp_q8x_tiles_available(void);

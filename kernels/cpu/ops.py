@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cdiv, kv_int8
-from kernels.cpu.bodies import panel_width
+from kernels.cpu.bodies import DEFAULT_BODY, Body, panel_width
 from kernels.cpu.formats import FORMAT_NAMES, HP_Q8X, WEIGHT_FORMATS, format_of, packed_geometry
 from kernels.cpu.library import library
 from kernels.cpu.pages import advise_huge_pages
@@ -52,12 +52,12 @@ def _fitting_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           int8_activations: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+           int8_activations: bool = False, out: torch.Tensor | None = None, body: Body = DEFAULT_BODY) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
     ``pack_weight_compact(weight)``. ``int8_activations``: block panels (a GGUF file's) multiply ``x`` rounded to
     int8 per 32 inputs, as llama.cpp does, where ``q8x_available()`` (not exact: see ops.c); other panels ignore
     it. ``out``: where to write it, fp32 [M, out_features] with rows that may be strided (some columns of a wider
-    output)."""
+    output). ``body``: the bodies the product runs through (``bodies.Body``; this build's defaults)."""
     x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
@@ -67,20 +67,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
                          f"strides {y.stride()}")
     b = 0 if bias is None else bias.contiguous().data_ptr()
     if m:
-        fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0)
+        fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0) | body.word()
         library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
                                     m, out_features, k)
     return y
 
 
-def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  body: Body = DEFAULT_BODY) -> torch.Tensor | None:
     """``linear(x, packed, out_features).argmax(-1)`` (the first of equal maxima, a NaN the largest) [M] int64,
     from the same products without writing them, where AMX computes ``packed``'s format; else None."""
     x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
     ids = torch.empty(m, dtype=torch.int64)
-    found = library().hp_argmax_packed(WEIGHT_FORMATS[packed.dtype], x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                        m, out_features, k, ids.data_ptr())
+    word = WEIGHT_FORMATS[packed.dtype] | body.word()
+    found = library().hp_argmax_packed(word, x.data_ptr(), x.stride(0), packed.data_ptr(), m, out_features, k,
+                                        ids.data_ptr())
     return ids if found == 0 else None
 
 

@@ -4,6 +4,24 @@
 #define HARPOON_PRODUCTS_H
 #include <stdint.h>
 
+#include "arch/simd.h"
+#include "ops.h"
+
+/* The bodies a product word names (ops.h), each field's 0 resolved to this build's default. */
+static inline int hp_bf16_body(int word) {
+    const int b = word >> HP_BF16_BODY_AT & 3;
+    return b ? b - 1 : HP_NATIVE_BF16 ? HP_BF16_DPBF16 : HP_BF16_FMA;
+}
+static inline int hp_f32_body(int word, int wide) { /* wide: the build has the paired body (HP_F32_WIDE) */
+    const int b = word >> HP_F32_BODY_AT & 3;
+    return b ? b - 1 : wide ? HP_F32_PAIRS : HP_F32_PANELS;
+}
+static inline int hp_q8x_dot(int word) {
+    const int b = word >> HP_Q8X_DOT_AT & 3;
+    return b ? b - 1 : HP_DOT_U8S8 ? HP_Q8X_VNNI : HP_Q8X_MADDUBS;
+}
+static inline int hp_q8x_tile_rows(int word) { return word >> HP_Q8X_TILE_ROWS_AT & 255; }
+
 /* arch/x86/f32_avx512.c: rows m0..m1 of y (+)= x . an fp32 panel slice (kc x NR), 8 rows at a time, and the same
  * over two whole panels side by side; only where HP_F32_WIDE (panels.h). */
 void hp_f32w_rows(int m0, int m1, const float *x, int64_t ldx, const float *panel, int kc, float *y, int64_t ldy,
@@ -11,13 +29,13 @@ void hp_f32w_rows(int m0, int m1, const float *x, int64_t ldx, const float *pane
 void hp_f32w2_rows(int m0, int m1, const float *x, int64_t ldx, const float *s0, const float *s1, int kc, float *y,
                    int64_t ldy, const float *b, int first);
 
-/* linear_bf16.c: BF16C products (K even), through the body hp_set_bf16_dot chose; the body in use. */
-void hp_linear_bf16c(const float *x, int64_t ldx, const void *packed, const float *bias, float *y, int64_t ldy,
-                     int M, int N, int K);
-int hp_bf16_dot_in_use(void);
+/* linear_bf16.c: BF16C products (K even) through ``body`` (enum hp_bf16_dot). */
+void hp_linear_bf16c(int body, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+                     int64_t ldy, int M, int N, int K);
 
-/* linear_q8x.c: a block format's products with the activations rounded to int8 (format without HP_Q8X). */
-void hp_linear_q8x(int format, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
+/* linear_q8x.c: a block format's products with the activations rounded to int8, through the dot product and the
+ * AMX tiles' rows the product word names (``word``: the format and the body fields). */
+void hp_linear_q8x(int word, const float *x, int64_t ldx, const void *packed, const float *bias, float *y,
                    int64_t ldy, int M, int N, int K);
 
 /* arch/x86/amx_bf16.c: the products on AMX tiles. hp_amx_bf16_available: the CPU has them and the kernel let this

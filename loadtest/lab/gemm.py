@@ -15,7 +15,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from engine.backends.gemm_plan import cpu_isa, library_available, matmul_peak_gflops, seconds_per_call
+from engine.backends.gemm_plan import cpu_isa, library_available, matmul_peak_gflops
+from engine.timing import seconds_per_call
 from kernels import cpu
 
 SMOLLM2 = "960x576,576x576,3072x576,576x1536,49152x576"  # qkv, o, gate_up, down, head: N x K
@@ -46,8 +47,7 @@ def candidates(weight: torch.Tensor) -> dict[str, object]:
 
 
 def _through(body: str, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    with cpu.bf16_body(body):
-        return cpu.linear(x, packed, n)
+    return cpu.linear(x, packed, n, body=cpu.Body(bf16=body))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,6 @@ def main() -> None:
     if "amx" not in cpu_kernels.bf16_dots():
         raise SystemExit("this CPU (or build) has no AMX tiles: the argmax is taken from the written logits")
     torch.set_num_threads(2)
-    cpu_kernels.set_bf16_dot("amx")
     gen = torch.Generator().manual_seed(0)
     head = cpu_kernels.pack_weight_bf16a(torch.randn(args.vocab, args.hidden, generator=gen) / args.hidden**0.5)
     stream = torch.ones(32 << 20)

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.backends.gemm_plan import cpu_isa, seconds_per_call
+from engine.backends.gemm_plan import cpu_isa
+from engine.timing import seconds_per_call
 from kernels import cpu
 from loadtest.models import random_blocks
 
@@ -28,18 +29,14 @@ def packed_copies(kind: Q, n: int, k: int, copies: int) -> list[torch.Tensor]:
     return [cpu.pack_gguf_rows(int(kind), rows, k) for _ in range(copies)]
 
 
-def multiply_each(weights: list[torch.Tensor], x: torch.Tensor, n: int) -> None:
+def multiply_each(weights: list[torch.Tensor], x: torch.Tensor, n: int, body: cpu.Body) -> None:
     for weight in weights:
-        cpu.linear(x, weight, n, int8_activations=True)
+        cpu.linear(x, weight, n, int8_activations=True, body=body)
 
 
-def use(dot: str) -> None:
-    """The products from now on on ``dot``: a dot product, or "tiles" (AMX from one row on)."""
-    if dot == "tiles":
-        cpu.set_q8x_tile_rows(1)
-    else:
-        cpu.set_q8x_tile_rows(0)
-        cpu.set_q8x_dot(dot)
+def body_of(dot: str) -> cpu.Body:
+    """The products on ``dot``: a dot product, or "tiles" (AMX from one row on)."""
+    return cpu.Body(int8_tile_rows=1) if dot == "tiles" else cpu.Body(int8_dot=dot)
 
 
 def main() -> None:
@@ -57,24 +54,20 @@ def main() -> None:
           "GOP/s\n")
     print(f"| type | N x K | rows | {' | '.join(dots)} |")
     print(f"|---|---|---|{'---|' * len(dots)}")
-    try:
-        for name in args.types.split(","):
-            for shape in args.shapes.split(","):
-                n, k = map(int, shape.split("x"))
-                weights = packed_copies(Q[name], n, k, args.copies)
-                for m in map(int, args.rows.split(",")):
-                    x = torch.randn(m, k)
-                    best = dict.fromkeys(dots, float("inf"))
+    for name in args.types.split(","):
+        for shape in args.shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            weights = packed_copies(Q[name], n, k, args.copies)
+            for m in map(int, args.rows.split(",")):
+                x = torch.randn(m, k)
+                best = dict.fromkeys(dots, float("inf"))
 
-                    for _ in range(args.rounds):
-                        for dot in dots:
-                            use(dot)
-                            call = partial(multiply_each, weights, x, n)
-                            best[dot] = min(best[dot], seconds_per_call(call) / args.copies)
-                    cells = [f"{best[d] * 1e3:.2f} ({2 * m * n * k / best[d] / 1e9:.0f})" for d in dots]
-                    print(f"| {name} | {n} x {k} | {m} | {' | '.join(cells)} |", flush=True)
-    finally:
-        use(dots[0])
+                for _ in range(args.rounds):
+                    for dot in dots:
+                        call = partial(multiply_each, weights, x, n, body_of(dot))
+                        best[dot] = min(best[dot], seconds_per_call(call) / args.copies)
+                cells = [f"{best[d] * 1e3:.2f} ({2 * m * n * k / best[d] / 1e9:.0f})" for d in dots]
+                print(f"| {name} | {n} x {k} | {m} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,12 +51,11 @@ def weights(n: int, k: int, folder: Path) -> dict[str, QuantizedWeight]:
 
 def seconds(x: torch.Tensor, packed: torch.Tensor, n: int, dot: str | None, reps: int) -> float:
     """Mean seconds of one product: exact (``dot`` None) or with int8 activations through ``dot``."""
-    if dot is not None:
-        cpu.set_q8x_dot(dot)
-    cpu.linear(x, packed, n, int8_activations=dot is not None)
+    body = cpu.Body(int8_dot=dot)
+    cpu.linear(x, packed, n, int8_activations=dot is not None, body=body)
     start = time.perf_counter()
     for _ in range(reps):
-        cpu.linear(x, packed, n, int8_activations=dot is not None)
+        cpu.linear(x, packed, n, int8_activations=dot is not None, body=body)
     return (time.perf_counter() - start) / reps
 
 
@@ -93,7 +92,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {rows} | " + " | ".join(f"{t * 1e3:.2f}" for t in ms) + " | "
                   + " | ".join(f"{flops / t / 1e9:.0f}" for t in ms) + " | "
                   + " | ".join(f"{ms[0] / t:.2f}x" for t in ms[1:]) + " |")
-    cpu.set_q8x_dot(dots[0])
 
 
 if __name__ == "__main__":

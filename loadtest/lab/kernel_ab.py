@@ -63,6 +63,7 @@ from kernels.cpu import (
     HP_Q8X,
     KV_FORMATS,
     WEIGHT_FORMATS,
+    Body,
     as_split,
     pack_weight_bf16a,
     pack_weight_compact,
@@ -116,6 +117,17 @@ def build(variant: str, out_dir: Path) -> ctypes.CDLL:
     lib = src / "ops.so"
     compile_library(find_compiler() or "cc", src, lib, tuple(flags.split()))
     return declare(ctypes.CDLL(str(lib)))
+
+
+def amx_body(dll: ctypes.CDLL) -> int:
+    """The bits of a product word that put a variant's bfloat16 products on AMX tiles: a revision before the body
+    travelled with each call (ops.h's HP_BF16_BODY_AT) took it from a setter of the process, and needs none."""
+    setter = getattr(dll, "hp_set_bf16_dot", None)
+    if setter is not None:
+        setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        setter(BF16_DOTS["amx"])
+        return 0
+    return Body(bf16="amx").word()
 
 
 SHAPES = {"smollm2-135m": Shapes(),
@@ -314,8 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [build(v, Path(tmp)) for v in args.variants]
-        if TILE_FORMATS & set(formats) and any(d.hp_set_bf16_dot(BF16_DOTS["amx"]) < 0 for d in dlls):
+        tiles = bool(TILE_FORMATS & set(formats))
+        if tiles and not all(d.hp_bf16_dots() & 1 << BF16_DOTS["amx"] for d in dlls):
             p.error(f"--format {', '.join(sorted(TILE_FORMATS))}: this CPU (or a variant) has no AMX tiles")
+        bodies = [amx_body(d) if tiles else 0 for d in dlls]  # each variant's products on the tiles
         shapes = [shape for _ in range(s.layers) for shape in s.linears()] + [(s.vocab, s.hidden)]
         # per format, per variant: every layer its own weights, so a step streams them from DRAM, as a real one does
         packs = {f: [step_weights(f, shapes, gen, d) for d in dlls] if f == "fp32"
@@ -333,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
                 # in the caches where it fits: the largest of a 1B layer, 20-28 MB of K-quants, in a 32 MiB L3)
                 steps = [[w for w in pk[:len(s.linears())] for _ in range(s.layers)] if resident else pk
                          for f in formats for pk in packs[f]]
-                runs = [partial(gemm_round, d, pk, x, y, rows, flags)
-                        for d, pk in zip(dlls * len(formats), steps, strict=True)]
+                runs = [partial(gemm_round, d, pk, x, y, rows, flags | body)
+                        for d, pk, body in zip(dlls * len(formats), steps, bodies * len(formats), strict=True)]
                 what = (f"{s.layers} layers of one layer's weights, each {s.layers} times in a row" if resident
                         else f"{s.layers} layers and the LM head")
                 work = sum(2.0 * rows * n * k for _, n, k in steps[0]) if resident else flop

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.backends.gemm_plan import cpu_isa, seconds_per_call
+from engine.backends.gemm_plan import cpu_isa
+from engine.timing import seconds_per_call
 from kernels import cpu
 from loadtest.models import random_blocks
 

@@ -16,7 +16,7 @@
  *
  * NOTE: the tiles sum in their own order and precision (not avx512_bf16's, nor any sequence of fp32 adds), so their
  * bits differ from the other BF16C bodies'. linear_bf16.c runs a process's BF16C products through one body
- * (hp_set_bf16_dot), and here a row's result does not depend on the other rows: the same tiles and the same k order
+ * (HP_BF16_BODY_AT), and here a row's result does not depend on the other rows: the same tiles and the same k order
  * for any M, the activations rounded the same way. So greedy tokens do not depend on the batch. */
 #include <math.h>
 #include <omp.h>
