@@ -64,9 +64,10 @@ _HELP = {
     "triton",
     "seed": "seed of the engine's random state (requests may carry their own)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
-    "quantized_matmul": "a GGUF file's products on a CPU: exact (the bits of its dequantized weights' products; "
-    "default) or int8 (activations rounded to int8 per 32 inputs with integer dot products, as llama.cpp: faster "
-    "on CPUs with VNNI, logprobs differ slightly)",
+    "quantized_matmul": "a GGUF file's products on a CPU: auto (the default: int8 where the CPU has integer dot "
+    "products, else exact), exact (the bits of its dequantized weights' products: greedy tokens equal "
+    "transformers') or int8 (activations rounded to int8 per 32 inputs with integer dot products, as llama.cpp: "
+    "faster, logprobs differ slightly)",
     "tensor_parallel_size": "split every layer over N ranks, one process each (on a CPU the cores are shared out "
     "between them; on CUDA one GPU each); the model's heads, KV heads and MLP width must divide evenly",
     "gemm_kernels": "CPU products: auto (the faster family, timed at start-up), c (Harpoon's panels) or onednn, "

@@ -98,9 +98,12 @@ class EngineConfig:
     # N-gram speculative decoding (engine/spec_decode.py): a SpeculativeConfig, or its dict or JSON text; off if None.
     speculative_config: SpeculativeConfig | None = None
     # A GGUF file's products on a CPU: "exact" (fp32 activations times the blocks' values: the bits of the dequantized
-    # model's products) or "int8" (activations rounded to int8 per 32 inputs and integer dot products, as llama.cpp
-    # multiplies: faster where the CPU has VNNI, not exact).
-    quantized_matmul: str = "exact"
+    # model's products, so greedy tokens equal transformers'), "int8" (activations rounded to int8 per 32 inputs and
+    # integer dot products, as llama.cpp multiplies: faster, not exact), or "auto": int8 where the CPU has the integer
+    # dot products (VNNI or AVX2's maddubs), else exact. auto is the default: a GGUF file's users take llama.cpp's
+    # arithmetic as given, and exact products served the default model at 0.70/0.63/0.69/0.81x int8's out tok/s at
+    # c1/c4/c16/c64 (Ice Lake, VNNI); the agreement is measured in tests/test_smollm2_greedy.py (docs/serving.md).
+    quantized_matmul: str = "auto"
     # Ranks the model's layers are split over (engine/tensor_parallel.py): one process each, on the host's cores
     # shared out between them or one GPU each.
     tensor_parallel_size: int = 1
@@ -118,8 +121,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.gemm_kernels not in ("auto", "c", "onednn"):
             raise ValueError(f"gemm_kernels must be auto, c or onednn, got {self.gemm_kernels!r}")
-        if self.quantized_matmul not in ("exact", "int8"):
-            raise ValueError(f"quantized_matmul must be exact or int8, got {self.quantized_matmul!r}")
+        if self.quantized_matmul not in ("auto", "exact", "int8"):
+            raise ValueError(f"quantized_matmul must be auto, exact or int8, got {self.quantized_matmul!r}")
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if self.tensor_parallel_size < 1:

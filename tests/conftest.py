@@ -19,7 +19,9 @@ from engine.model_loader import reference_folder  # noqa: E402
 # What an engine of the default model starts with in a test (in process, or behind a test server, which passes them
 # as flags): a 512 MiB KV pool instead of the default 2 GiB, whose zeroing took up to 3 s of each start, and a fixed
 # token budget instead of the start-up probes that size it (~2 s; tests/test_token_budget.py tests those).
-QUICK_ENGINE = {"kv_cache_memory": 512 << 20, "max_num_batched_tokens": 512}
+# Tests compare tokens with transformers' greedy output, so GGUF products run exact (fp32 activations); the int8
+# products the CPU default picks are checked for agreement on their own in test_smollm2_greedy.py.
+QUICK_ENGINE = {"kv_cache_memory": 512 << 20, "max_num_batched_tokens": 512, "quantized_matmul": "exact"}
 
 
 def quick(**options) -> dict:

@@ -322,7 +322,7 @@ def test_a_k_quant_file_serves_from_its_blocks_with_transformers_logprobs(small_
     monkeypatch.setattr(amx_blocks, "faster", lambda _: on_tiles)
     q4, q6 = ("Q4KS", "Q6KS") if on_tiles else ("Q4K", "Q6K")
     path = small_q4_k_m
-    llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20)
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=16 << 20, quantized_matmul="exact")
     model = llm.engine.model
     assert all(p.dim() == 1 or p.numel() == 0 for p in model.parameters())  # norms only: every weight is packed
     formats = {name: cpu.FORMAT_NAMES[m.kernel.packed.dtype] for name, m in model.named_modules()

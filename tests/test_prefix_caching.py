@@ -146,7 +146,7 @@ def test_greedy_identical_with_caching_cold_warm_partial_and_n(llms):
 
 def test_greedy_identical_with_eviction_under_a_small_pool(llms):
     off, _ = llms
-    small = LLM(enable_prefix_caching=True, kv_cache_memory=12 * 2 * 30 * 3 * 64 * 4 * 16)  # 12 blocks
+    small = LLM(**quick(enable_prefix_caching=True, kv_cache_memory=12 * 2 * 30 * 3 * 64 * 4 * 16))  # 12 blocks
     prompts = [SYSTEM + p for p in PROMPTS[:6]]
     expected = greedy(off, prompts)
     assert greedy(small, prompts) == expected

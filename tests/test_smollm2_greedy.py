@@ -40,7 +40,8 @@ def run_staggered(engine: EngineCore, prompt_ids: list[list[int]], arrival_steps
 
 
 def engine_with(**options) -> EngineCore:
-    """The default model on the C panels (their formats are checked below), whatever the start-up plan would take."""
+    """The default model on the C panels (their formats are checked below), whatever the start-up plan would take,
+    with the exact products (``--quantized-matmul exact``) whose tokens equal transformers'."""
     return EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick(**options)))
 
 
@@ -96,7 +97,8 @@ def test_the_int8_screen_is_timed_again_once_started(monkeypatch):
             return seen[-1], {}
 
         monkeypatch.setattr(cpu_bodies, "screen_row_range", timed)
-        engine = EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick()), own_process=True)
+        engine = EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick()),
+                            own_process=True)
         backend = engine.backend
         assert isinstance(backend.int8_screen, Int8ScreenedHead) and seen == [first, again]
         assert backend.greedy_head is (backend.int8_screen if again[1] else None)
@@ -147,21 +149,34 @@ def test_greedy_identical_with_ngram_speculation(prompt_ids, expected, pool_bloc
 
 
 @pytest.mark.skipif(not cpu.q8x_available(), reason="needs integer dot products")
-def test_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prompt_ids, expected):
-    """``--quantized-matmul int8`` multiplies the file's blocks by activations rounded to int8 per 32 inputs, as
-    llama.cpp does: not exact. Measured on the test prompts (printed; docs/history/benchmarks-2026-12.md): where its
-    tokens first differ from transformers' fp32, each side's token is among the other's top 5 (a near tie, the rounding
-    tipping it), and most prompts are identical to the end. Its tokens do not depend on the batch."""
-    llm = LLM(None, **quick(quantized_matmul="int8"))
+def test_the_default_int8_products_agree_with_transformers_until_a_near_tie(hf_smollm2, prompt_ids, expected):
+    """A GGUF file's products on a CPU with integer dot products are int8 by default (``--quantized-matmul auto``):
+    the activations rounded to int8 per 32 inputs, as llama.cpp multiplies; ``exact`` keeps the bits of the
+    dequantized model's products. Measured here on the test prompts (printed; docs/serving.md): where the int8
+    tokens first differ from transformers' fp32, each side's token is among the other's top 5 (a near tie, the
+    rounding tipping it), and at least half the prompts are identical to the end; before the first divergence their
+    logprobs stay within 0.5 of the exact products'. Its tokens do not depend on the batch."""
+    llm = LLM(None, **quick(quantized_matmul="auto"))
+    assert llm.engine.kernel_plan.chosen("GGUF products") == "int8"
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate(prompt_ids, params)
     identical, matched, firsts = greedy_agreement(hf_smollm2, prompt_ids, outs, expected)
-    print(f"int8 products vs transformers fp32: {identical}/{len(prompt_ids)} identical for {MAX_NEW} tokens, "
-          f"{matched / sum(map(len, expected)):.2f} of tokens before the first divergence; first divergence / "
-          f"transformers' length: {firsts}")
-    assert identical >= len(prompt_ids) // 2
     alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids[::4]]
     assert [o.outputs[0].token_ids for o in outs][::4] == alone
+    del llm
+    exact = LLM(None, **quick())
+    assert exact.engine.kernel_plan.chosen("GGUF products") == "exact"
+    deltas = []
+    for ours, theirs in zip(outs, exact.generate(prompt_ids, params), strict=True):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                    min(len(a.token_ids), len(b.token_ids)))
+        deltas += [abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) for i, t in enumerate(a.token_ids[:same])]
+    print(f"int8 products vs transformers fp32: {identical}/{len(prompt_ids)} identical for {MAX_NEW} tokens, "
+          f"{matched / sum(map(len, expected)):.2f} of tokens before the first divergence; first divergence / "
+          f"transformers' length: {firsts}; logprob |int8 - exact| before the first divergence: mean "
+          f"{sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f} over {len(deltas)} tokens")
+    assert identical >= len(prompt_ids) // 2 and max(deltas) < 0.5
 
 
 @pytest.mark.parametrize("products", ["exact", "int8"])

@@ -314,14 +314,16 @@ class CpuBackend(TorchBackend):
         return kernels
 
     def _int8_activations(self) -> bool:
-        """Whether a GGUF file's products take int8 activations: asked for, and this CPU has the dot products."""
-        if self.config.quantized_matmul != "int8":
-            return False
-        if not cpu_kernels.q8x_available():
-            logger.warning("--quantized-matmul int8 needs u8 x s8 dot products (AVX512-VNNI or AVX-VNNI), which this "
+        """Whether a GGUF file's products take int8 activations: asked for (int8, or auto, the default), and this
+        CPU has the integer dot products. Recorded as a row of the kernel plan."""
+        mode, available = self.config.quantized_matmul, cpu_kernels.q8x_available()
+        if mode == "int8" and not available:
+            logger.warning("--quantized-matmul int8 needs integer dot products (VNNI, or AVX2's maddubs), which this "
                            "CPU lacks: the products stay exact")
-            return False
-        return True
+        chosen = "int8" if mode != "exact" and available else "exact"
+        why = {"auto": "auto: int8 where the CPU has integer dot products", "exact": "asked for", "int8": "asked for"}
+        self._packing_rows.append(PlanRow("GGUF products", chosen, {}, "", why[mode]))
+        return chosen == "int8"
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -269,13 +269,5 @@ void hp_linear_q8x(int word, const float *x, int64_t ldx, const void *packed, co
     quantize_rows_q8x(x, ldx, M, K, block_nibbles(format), words, d, sums);
     for (int m = 0; m < M; m++)
         rows[m] = (struct q8x_row){words + m * blocks * 8, d + m * blocks, sums + m * blocks * 2};
-    switch (format) {
-    case HP_Q4: Q8X_LOOP(Q4_PANELS) break;
-    case HP_Q8: Q8X_LOOP(Q8_PANELS) break;
-    case HP_Q5: Q8X_LOOP(Q5_PANELS) break;
-    case HP_Q6M: Q8X_LOOP(Q6M_PANELS) break;
-    case HP_Q4K: Q8X_LOOP(Q4K_PANELS) break;
-    case HP_Q5K: Q8X_LOOP(Q5K_PANELS) break;
-    default: Q8X_LOOP(Q6K_PANELS) break;
-    }
+    Q8X_FOR_FORMAT(format, Q8X_LOOP)
 }

@@ -41,6 +41,19 @@ static inline __attribute__((always_inline)) void q8x_weights(const v8iu *words,
 /* Whether a block format's weight scales are per 16 k (Q6K, Q6M), so its integer sums are folded per half block. */
 static inline int scales_per_half(int format) { return format == Q6K_PANELS || format == Q6M_PANELS; }
 
+/* LOOP(format) for the block format ``code`` (enum hp_weight_format): one instance per format, each a constant in
+ * its own, so each compiles (and OpenMP outlines) a body of its own. */
+#define Q8X_FOR_FORMAT(code, LOOP)                                                                                    \
+    switch (code) {                                                                                                   \
+    case HP_Q4: LOOP(Q4_PANELS) break;                                                                                \
+    case HP_Q8: LOOP(Q8_PANELS) break;                                                                                \
+    case HP_Q5: LOOP(Q5_PANELS) break;                                                                                \
+    case HP_Q6M: LOOP(Q6M_PANELS) break;                                                                              \
+    case HP_Q4K: LOOP(Q4K_PANELS) break;                                                                              \
+    case HP_Q5K: LOOP(Q5K_PANELS) break;                                                                              \
+    default: LOOP(Q6K_PANELS) break;                                                                                  \
+    }
+
 /* The Q8X products of a block format (of panels.h) on AMX tiles for all M rows: the bits of the dot-product bodies.
  * Only where hp_q8x_tiles_available() (ops.h). */
 void hp_q8x_amx(int format, const struct q8x_row *rows, int M, const void *packed, const float *bias, float *y,

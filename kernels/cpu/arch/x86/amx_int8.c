@@ -154,15 +154,7 @@ static inline __attribute__((always_inline)) void panel_product_q8x_amx(int p, c
 
 void hp_q8x_amx(int format, const struct q8x_row *rows, int M, const void *packed, const float *bias, float *y,
                 int64_t ldy, int N, int K) {
-    switch (format) {
-    case HP_Q4: Q8X_AMX_LOOP(Q4_PANELS) break;
-    case HP_Q8: Q8X_AMX_LOOP(Q8_PANELS) break;
-    case HP_Q5: Q8X_AMX_LOOP(Q5_PANELS) break;
-    case HP_Q6M: Q8X_AMX_LOOP(Q6M_PANELS) break;
-    case HP_Q4K: Q8X_AMX_LOOP(Q4K_PANELS) break;
-    case HP_Q5K: Q8X_AMX_LOOP(Q5K_PANELS) break;
-    default: Q8X_AMX_LOOP(Q6K_PANELS) break;
-    }
+    Q8X_FOR_FORMAT(format, Q8X_AMX_LOOP)
 }
 
 int hp_q8x_tiles_available(void) { return hp_amx_bf16_available(); }
