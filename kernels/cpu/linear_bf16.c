@@ -59,10 +59,11 @@ static void pack_rows_bf16(const float *x, int64_t ldx, uint32_t *a, int M, int 
 
 /* y[rows, cols] (+)= a[rows, kc] . panel[kc, NR], a one group of packed activations from its first pair of this k
  * block: the same store / add / bias steps as micro_kernel. ``native``: the dot-product instruction, else its FMA
- * twin (a compile-time constant in each instance). */
+ * twin (a compile-time constant in each instance); ``ahead`` as micro_kernel's. */
 static inline __attribute__((always_inline)) void micro_kernel_bf16c(int rows, const uint32_t *a, const void *panel,
                                                                      int kc, float *y, int64_t ldy, int cols,
-                                                                     const float *bias, int first, int native) {
+                                                                     const float *bias, int first, int native,
+                                                                     int ahead) {
     v8f c[MRB][NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MRB; i++)
@@ -71,6 +72,7 @@ static inline __attribute__((always_inline)) void micro_kernel_bf16c(int rows, c
     for (int k = 0; k < kc; k += 2) {
         const v8iu *words = (const v8iu *)((const char *)panel + (int64_t)k * NR * 2);
         const uint32_t *ak = a + (int64_t)(k / 2) * MRB;
+        prefetch_ahead(words, NV * 32, ahead);
         v8i w[NV];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) w[v] = words[v];
@@ -109,15 +111,16 @@ static inline __attribute__((always_inline)) void panel_rows_bf16c(int m0, int m
     for (int m = m0; m < m1; m += MRB) {
         const uint32_t *ag = a + ((int64_t)(m / MRB) * pairs + kp0) * MRB;
         float *ym = y + m * ldy;
+        const int pf = m == m0 ? PANEL_AHEAD : 0; /* as panel_rows's */
         switch (m1 - m < MRB ? m1 - m : MRB) {
 #define ROWS(r) \
-    case r: micro_kernel_bf16c(r, ag, panel, kc, ym, ldy, cols, b, first, native); break;
+    case r: micro_kernel_bf16c(r, ag, panel, kc, ym, ldy, cols, b, first, native, pf); break;
             ROWS(1) ROWS(2) ROWS(3)
 #if MRB > 4
             ROWS(4) ROWS(5) ROWS(6) ROWS(7)
 #endif
 #undef ROWS
-        default: micro_kernel_bf16c(MRB, ag, panel, kc, ym, ldy, cols, b, first, native); break;
+        default: micro_kernel_bf16c(MRB, ag, panel, kc, ym, ldy, cols, b, first, native, pf); break;
         }
     }
 }

@@ -61,21 +61,6 @@ void hp_q8x_rounding_error(const float *x, int64_t ldx, int M, int K, double *er
     }
 }
 
-/* Bytes ahead of its weights that a product's first pass over a panel slice prefetches to L1, a 32-k group's
- * bytes each group. Why: at one row the hardware prefetchers alone left a product's panels at 72% (Q4_K) to 96%
- * (Q8_0) of the read bandwidth, the dots' work between the loads holding the stream back. With these a Llama-3.2-1B
- * step's int8 products took 22% (Q4_K), 15% (Q6_K), 11% (Q8_0), 20% (Q4) and 6% (Q8) less at one row, 16-23% less
- * at four, 6-13% at sixteen, the same at 64 (Xeon Ice Lake, VNNI; flat from 4 to 16 KiB ahead, slower to L2 or
- * without temporal locality; python -m loadtest.lab.kernel_ab HEAD WORKTREE --int8-activations). The passes of
- * the later rows over the same slice find it in the caches and prefetch nothing. */
-#ifndef Q8X_AHEAD
-#define Q8X_AHEAD 4096
-#endif
-/* Bytes of a panel slice per 32 k, on average (a K-quant super-block's header spread over its groups). */
-static inline int group_bytes_of(int format) {
-    return kquant(format) ? ksb_bytes(format) / (KSB / Q8_GROUP) : block_bytes(format);
-}
-
 /* One row's integer sums of a run of k with one weight scale (half h of block b), folded into its float sums c:
  *     c += d_w (d_x (Σ u qx - offset Σ qx)) (+ m_w d_x Σ qx)
  * Every body does exactly this, so a row's outputs do not depend on the body its batch took. */
@@ -114,9 +99,7 @@ static inline __attribute__((always_inline)) void q8x_fix_up(v8f c[NV], const v8
             const int b = (b0) + k / Q8_GROUP;                                                                        \
             v8f d[2][NV], m[2][NV];                                                                                   \
             const v8iu *words = block_at(panel, k, format, 0, &d[0][0], &d[1][0], &m[0][0], &m[1][0]);              \
-            if (ahead)                                                                                                \
-                for (int l_ = 0; l_ < group_bytes_of(format); l_ += 64)                                               \
-                    __builtin_prefetch((const char *)words + (ahead) + l_, 0, 3);                                     \
+            prefetch_ahead(words, slice_group_bytes(format), ahead);                                                  \
             if (early)                                                                                                \
                 _Pragma("GCC unroll 4") for (int v = 1; v < NV; v++)                                                  \
                     block_at(panel, k, format, v, &d[0][v], &d[1][v], &m[0][v], &m[1][v]);                            \
@@ -158,7 +141,7 @@ static inline float q8x_offset(int format, int dot) {
 
 /* y[rows, cols] (+)= the rows' int8 activations . one panel slice (kc x NR) from block b0 on: the store / add / bias
  * steps of micro_kernel. Its float sums stay in registers. ``early`` as Q8X_SUMS's; ``ahead``: bytes to prefetch
- * ahead of the weights (Q8X_AHEAD), 0 for none. */
+ * ahead of the weights (PANEL_AHEAD), 0 for none. */
 static inline __attribute__((always_inline)) void micro_kernel_q8x(int rows, const struct q8x_row *a, int b0,
                                                                    const void *panel, int kc, float *y, int64_t ldy,
                                                                    int cols, const float *bias, int first,
@@ -230,16 +213,16 @@ static inline __attribute__((always_inline)) void panel_product_q8x(int p, int m
          * added 5 s to every build of the library for no measurable speed. */
         if (m1 - m0 == 1 && format != Q6M_PANELS)
             micro_kernel_q8x(1, rows + m0, k0 / Q8_GROUP, panel, kc, y + m0 * ldy + n0, ldy, cols, b, k0 == 0,
-                             format, dot, 1, Q8X_AHEAD);
+                             format, dot, 1, PANEL_AHEAD);
         else {
             int m = m0;
             if (HP_VREGS == 32 && cols == NR)
                 for (; m + MRQ <= m1; m += MRQ)
                     micro_kernel_q8x_wide(rows + m, k0 / Q8_GROUP, panel, kc, y + m * ldy + n0, ldy, b, k0 == 0,
-                                          format, dot, m == m0 ? Q8X_AHEAD : 0);
+                                          format, dot, m == m0 ? PANEL_AHEAD : 0);
             for (; m < m1; m += MR)
                 micro_kernel_q8x(m1 - m < MR ? m1 - m : MR, rows + m, k0 / Q8_GROUP, panel, kc, y + m * ldy + n0,
-                                 ldy, cols, b, k0 == 0, format, dot, 0, m == m0 ? Q8X_AHEAD : 0);
+                                 ldy, cols, b, k0 == 0, format, dot, 0, m == m0 ? PANEL_AHEAD : 0);
         }
     }
 }

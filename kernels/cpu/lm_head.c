@@ -33,7 +33,7 @@ static float linear_column(const float *x, const void *packed, int N, int K, int
     for (int k0 = 0; k0 < K; k0 += KC) {
         int kc = K - k0 < KC ? K - k0 : KC;
         micro_kernel(1, x + k0, 0, (const char *)packed + panel_bytes((int64_t)p * K + k0, format), kc, y, NR, cols,
-                     0, 0, k0 == 0, format);
+                     0, 0, k0 == 0, format, 0);
     }
     return y[j - n0];
 }

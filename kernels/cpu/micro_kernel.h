@@ -24,7 +24,7 @@ static inline __attribute__((always_inline)) void accumulate(int rows, v8f c[MRF
 static inline __attribute__((always_inline)) void micro_kernel(int rows, const float *x, int64_t ldx,
                                                                const void *panel, int kc, float *y, int64_t ldy,
                                                                int cols, const float *bias, const float *scale,
-                                                               int first, int format) {
+                                                               int first, int format, int ahead) {
     v8f c[MRF][NV], b[NV];
 #pragma GCC unroll 8
     for (int i = 0; i < MRF; i++)
@@ -34,12 +34,14 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
         for (int k = 0; k < kc; k++) {
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) b[v] = load8((const float *)panel + (int64_t)k * NR + 8 * v);
+            prefetch_ahead((const float *)panel + (int64_t)k * NR, NR * 4, ahead);
             accumulate(rows, c, x, ldx, k, b);
         }
     } else if (format == I8_PANELS || format == BF16_PANELS) { /* 4 or 2 consecutive k in each 32-bit lane */
         const int bf16 = format == BF16_PANELS, per_word = bf16 ? 2 : 4;
         for (int k = 0; k < kc; k += per_word) {
             const v8iu *words = (const v8iu *)((const char *)panel + (int64_t)k * NR * (bf16 ? 2 : 1));
+            prefetch_ahead(words, NV * 32, ahead);
             v8i w[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) w[v] = words[v];
@@ -57,6 +59,7 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
             v8f d[NV], m[NV], d1[NV], m1[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) words = block_at(panel, k, format, v, &d[v], &d1[v], &m[v], &m1[v]);
+            prefetch_ahead(words, slice_group_bytes(format), ahead);
             for (int g = 0; g < Q4_GROUP / per_word; g++) {
                 v8i w[NV];
                 if (g == Q4_GROUP / per_word / 2) /* the second 16 k: their own scales, where a format has such */
@@ -106,27 +109,28 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, const float *x, int64_t ldx,
                                                              const void *panel, int kc, float *y, int64_t ldy,
                                                              int cols, const float *b, const float *sc, int first,
-                                                             int format) {
+                                                             int format, int ahead) {
     _Static_assert(MRF <= 8 && (MRF == 8 || MRF <= 5), "panel_rows has a case for every row count below MRF");
     for (int m = m0; m < m1; m += MRF) {
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
+        const int pf = m == m0 ? ahead : 0; /* the first rows' pass prefetches; the later ones find the slice cached */
         switch (m1 - m < MRF ? m1 - m : MRF) {
         /* a constant row count per call, so each case compiles to its own unrolled kernel */
-        case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
-        case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
+        case 2: micro_kernel(2, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
 #if MRF > 3
-        case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 3: micro_kernel(3, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
 #endif
 #if MRF > 4
-        case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 4: micro_kernel(4, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
 #endif
 #if MRF > 5
-        case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
-        case 6: micro_kernel(6, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
-        case 7: micro_kernel(7, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        case 5: micro_kernel(5, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
+        case 6: micro_kernel(6, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
+        case 7: micro_kernel(7, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
 #endif
-        default: micro_kernel(MRF, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format); break;
+        default: micro_kernel(MRF, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;
         }
     }
 }
