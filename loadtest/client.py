@@ -29,9 +29,11 @@ def request_body(endpoint: str, model: str, request: BenchRequest, ignore_eos: b
 
 
 def session(headers: dict | None = None) -> aiohttp.ClientSession:
-    """A session without a connection limit (the benchmark's semaphore bounds concurrency) or a default timeout, whose
-    idle connections close after 3 s, before a server's own keep-alive ends them (llama-server's: 5 s)."""
-    return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3),
+    """A session without a connection limit (the benchmark's semaphore bounds concurrency) or a default timeout, and a
+    connection of its own for each request. NOTE: kept-alive connections that llama-server had closed failed 7 of 32
+    requests at 16 streams ("Can not write request body"), and 1 of 32 still with idle ones closed after 3 s; a
+    request lasts seconds, its connection's set-up well under a millisecond."""
+    return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 
@@ -51,9 +53,8 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[float
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict, timeout: float) -> aiohttp.ClientResponse:
-    """The POST's response, sent once more where the connection failed before a response (as the openai SDK
-    retries). NOTE: 7 of 32 requests at 16 streams had failed against llama-server, "Can not write request body" on
-    a kept-alive connection the server had closed after its 5 s keep-alive."""
+    """The POST's response, sent once more where the connection failed before a response, as the openai SDK
+    retries."""
     try:
         return await http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout))
     except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
