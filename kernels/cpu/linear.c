@@ -45,7 +45,7 @@ void hp_pack_weight(const float *w, float *packed, int N, int K) {
 static __attribute__((noinline)) void panel_rows_f32_narrow(int m0, int m1, const float *x, int64_t ldx,
                                                             const float *panel, int kc, float *y, int64_t ldy,
                                                             int cols, const float *b, int first) {
-    panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS, PANEL_AHEAD);
+    panel_rows(m0, m1, x, ldx, panel, kc, y, ldy, cols, b, 0, first, F32_PANELS);
 }
 
 /* Rows m0..m1 of y (+)= x . an fp32 panel slice: 16-lane FMAs where the build has them (arch/x86/f32_avx512.c). */
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void panel_product(int p, int m0, i
         } else if (format == F32_PANELS) {
             panel_rows_f32(m0, m1, x + k0, ldx, (const float *)panel, kc, y + n0, ldy, cols, b, first);
         } else {
-            panel_rows(m0, m1, x + k0, ldx, panel, kc, y + n0, ldy, cols, b, sc, first, format, PANEL_AHEAD);
+            panel_rows(m0, m1, x + k0, ldx, panel, kc, y + n0, ldy, cols, b, sc, first, format);
         }
     }
 }

@@ -109,12 +109,12 @@ static inline __attribute__((always_inline)) void micro_kernel(int rows, const f
 static inline __attribute__((always_inline)) void panel_rows(int m0, int m1, const float *x, int64_t ldx,
                                                              const void *panel, int kc, float *y, int64_t ldy,
                                                              int cols, const float *b, const float *sc, int first,
-                                                             int format, int ahead) {
+                                                             int format) {
     _Static_assert(MRF <= 8 && (MRF == 8 || MRF <= 5), "panel_rows has a case for every row count below MRF");
     for (int m = m0; m < m1; m += MRF) {
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
-        const int pf = m == m0 ? ahead : 0; /* the first rows' pass prefetches; the later ones find the slice cached */
+        const int pf = m == m0 ? PANEL_AHEAD : 0; /* the first rows' pass prefetches; the later find the slice cached */
         switch (m1 - m < MRF ? m1 - m : MRF) {
         /* a constant row count per call, so each case compiles to its own unrolled kernel */
         case 1: micro_kernel(1, xm, ldx, panel, kc, ym, ldy, cols, b, sc, first, format, pf); break;

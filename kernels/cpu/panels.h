@@ -162,7 +162,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
         for (int l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)p + ahead + l, 0, 3);
 }
 
-
 /* Whether a block format's values are d q + m (else d q), and whether its weights are nibbles (else bytes). */
 static inline int block_with_m(int format) { return format != Q8_PANELS; }
 static inline int block_nibbles(int format) {
