@@ -97,8 +97,7 @@ def test_the_int8_screen_is_timed_again_once_started(monkeypatch):
             return seen[-1], {}
 
         monkeypatch.setattr(cpu_bodies, "screen_row_range", timed)
-        engine = EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick()),
-                            own_process=True)
+        engine = EngineCore(EngineConfig(model=None, gemm_kernels="c", **quick()), own_process=True)
         backend = engine.backend
         assert isinstance(backend.int8_screen, Int8ScreenedHead) and seen == [first, again]
         assert backend.greedy_head is (backend.int8_screen if again[1] else None)
