@@ -194,13 +194,51 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
     ),
 }
+# Mixture-of-experts families: more experts than a short step's tokens choose, so steps skip some
+MOE_CONFIGS = {
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    "qwen2-moe-shared": dict(  # a shared expert, and layer 0 dense (mlp_only_layers)
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
+}
 
 
 def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
     """A 2-layer random-weight model of the given family, saved as a Hugging Face folder with a tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY_CONFIGS[kind])
+    spec = dict({**TINY_CONFIGS, **MOE_CONFIGS}[kind])
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
@@ -219,11 +257,11 @@ def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
     )
     torch.manual_seed(sum(map(ord, kind)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if getattr(config, "attention_bias", False) or model_type == "qwen2":
+    if getattr(config, "attention_bias", False) or model_type in ("qwen2", "qwen2_moe"):
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(param, std=0.25)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         for name, param in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:
                 torch.nn.init.uniform_(param, 0.5, 1.5)

@@ -162,8 +162,8 @@ class CpuBackend(TorchBackend):
         Where oneDNN measured faster (``gemm_plan.py``), every product runs there instead, its weights prepacked."""
         vocab, bf16 = model.config.vocab_size, self.dtype == torch.bfloat16
         pack = cpu_kernels.pack_weight_bf16c if bf16 else cpu_kernels.pack_weight_compact
-        first = model.layers[0]
-        quantized = first.mlp.gate_up_proj.quantized is not None
+        first, mlp = model.layers[0], model.first_mlp()
+        quantized = mlp.gate_up_proj.quantized is not None
         # a GGUF file's Q4_0/Q4_1/Q4_K, Q6_K and Q8_0/Q5_0 weights, kept as blocks for AMX to widen if that times faster
         blocks = amx_blocks.take(model) if quantized and bf16 and "amx" in cpu_kernels.bf16_dots() else {}
         # an embedding of its own keeps its blocks in bfloat16 too: lookups read its block panels (rounded to
@@ -174,12 +174,12 @@ class CpuBackend(TorchBackend):
             # the fallback: these products take dense weights
             dequantize_weights(model, self.dtype, self.device, keep=lookups)
             quantized = False
-        projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        projections = (first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         dense = {m: blocks[m].dequantize(self.dtype) if m in blocks else m.dense_weight() for m in projections}
         self.int8_activations = quantized and self._int8_activations()
         if bf16 and len(cpu_kernels.bf16_dots()) > 1:  # more than the portable FMAs: time every body
             # NOTE: chosen while packing, not by the engine's plan: AMX takes BF16A panels, the others BF16C ones
-            weight = dense[first.mlp.gate_up_proj]
+            weight = dense[mlp.gate_up_proj]
             row = bf16_choice(PackedLinear(pack(weight), weight.shape[0]), lambda: self.body).decide()
             self._packing_rows.append(row)
             self.body = replace(self.body, bf16=row.chosen)
@@ -360,7 +360,7 @@ class CpuBackend(TorchBackend):
         model, choices, body = self._model, [], lambda: self.body
         if model is None:  # oneDNN's products: no bodies of ours
             return choices
-        gate_up = model.layers[0].mlp.gate_up_proj.kernel
+        gate_up = model.first_mlp().gate_up_proj.kernel
         if self.int8_activations:
             if len(cpu_kernels.q8x_dots()) > 1:
                 choices.append(int8_dot_choice(gate_up, body))
@@ -402,8 +402,9 @@ class CpuBackend(TorchBackend):
         if self.int8_screen is not None:
             self.int8_screen.body = self.body
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
-        # cannot; its steps go through the modules, whose products are the same panels.
-        if self.config.tensor_parallel_size == 1:
+        # cannot; its steps go through the modules, whose products are the same panels. So do a mixture of
+        # experts' (its routing decides which panels a step reads).
+        if self.config.tensor_parallel_size == 1 and not model.sparse:
             self.decoder = decoder_of(model, self.int8_activations, self.body)
             self.wide_decoder = decoder_of(model, self.int8_activations, self.body, wide=True) if self.wide_rows \
                 else None

@@ -1,14 +1,15 @@
 """The model registry: a checkpoint's ``architectures`` name to the class that builds it and its variant.
 
 Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 share one decoder (``llama.py``) and differ in the flags of their
-``DecoderVariant``. A new family is one entry here (and, where its layers differ, one model file).
+``DecoderVariant``; Qwen3-MoE, Qwen2-MoE and Mixtral are the same decoder with mixture-of-experts layers
+(``moe.py``). A new family is one entry here (and, where its layers differ, one model file).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ from engine.models.llama import (
     qwen2_variant,
     qwen3_variant,
 )
+from engine.models.moe import SparseMoeBlock, mixtral_moe, qwen_moe
 
 if TYPE_CHECKING:
     from engine.backends.base import TorchBackend
@@ -40,6 +42,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(LlamaForCausalLM, llama_variant),
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qwen2_variant),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qwen3_variant),
+    "Qwen2MoeForCausalLM": Architecture(
+        LlamaForCausalLM, lambda c: replace(qwen2_variant(c), moe=qwen_moe(c, shared=True))),
+    "Qwen3MoeForCausalLM": Architecture(
+        LlamaForCausalLM, lambda c: replace(qwen3_variant(c), moe=qwen_moe(c, shared=False))),
+    "MixtralForCausalLM": Architecture(LlamaForCausalLM, lambda c: replace(llama_variant(c), moe=mixtral_moe(c))),
 }
 
 
@@ -66,7 +73,11 @@ def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, b
     model.load_weights(shard.weights(weights) if shard else weights, lazy=backend.lazy_weights)
     if all_reduce is not None:
         for layer in model.layers:
-            layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = all_reduce
+            layer.self_attn.o_proj.all_reduce = all_reduce
+            if isinstance(layer.mlp, SparseMoeBlock):  # one sum of the experts' partial outputs
+                layer.mlp.all_reduce = all_reduce
+            else:
+                layer.mlp.down_proj.all_reduce = all_reduce
     model.eval()
     backend.prepare(model, files.source if shard is None else None)
     return model

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.linear import Linear, VocabEmbedding
+from engine.models.moe import MoeVariant, SparseMoeBlock, checkpoint_names
 from engine.models.quantized import Blocks, stack
 from engine.models.rotary import RotaryEmbedding
 
@@ -32,6 +33,7 @@ class DecoderVariant:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    moe: MoeVariant | None = None  # mixture-of-experts layers in place of (some) dense MLPs (moe.py)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -122,15 +124,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: a dense layer's MLP, and each expert of a mixture-of-experts layer."""
+
     ops: ModuleType | None = None  # a backend's fused kernels (silu_mul), set by the backend
 
-    def __init__(self, config: PretrainedConfig, variant: DecoderVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: DecoderVariant, intermediate_size: int | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}")
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=variant.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -143,11 +147,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: PretrainedConfig, variant: DecoderVariant, rotary: RotaryEmbedding,
-        make_attention: AttentionFactory,
+        make_attention: AttentionFactory, index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, variant, rotary, make_attention)
-        self.mlp = MLP(config, variant)
+        moe = variant.moe
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config.hidden_size, moe, lambda width: MLP(config, variant, width))
+            if moe is not None and moe.is_sparse(index) else MLP(config, variant))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -192,13 +199,22 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, self.rotary, make_attention) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, variant, self.rotary, make_attention, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def sparse(self) -> bool:
+        """Whether any layer is a mixture of experts (whose steps the one-call C decoder does not run)."""
+        return any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers)
+
+    def first_mlp(self) -> MLP:
+        """The first SwiGLU MLP: a dense layer's, or else the first expert's (the projections start-up times)."""
+        return next(m for m in self.modules() if isinstance(m, MLP))
 
     def forward(
         self,
@@ -226,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[int, Blocks | torch.Tensor]] = {}  # fused layer -> its quantized or lazy shards so far
         loaded: set[str] = set()
         lazy = lazy and self.weight_device.type == "cpu"
-        for name, tensor in weights:
+        for name, tensor in (named for pair in weights for named in checkpoint_names(*pair)):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -250,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                         if len(dense) == 1:  # else left pending: refused below
                             del pending[name]
                     continue
-                offset = self._shard_offset(target, shard)
+                offset = self._shard_offset(modules[name.rpartition(".")[0]], target, shard)
                 self._materialized(params, name).data[offset : offset + tensor.shape[0]].copy_(tensor)
                 continue
             if name not in params:
@@ -305,8 +321,8 @@ class LlamaForCausalLM(nn.Module):
                              f"not the {list(shape)} the config makes")
         module.parts = parts
 
-    def _shard_offset(self, target: str, shard: int) -> int:
+    def _shard_offset(self, module: Linear, target: str, shard: int) -> int:
         attn = self.layers[0].self_attn
         if target == "qkv_proj":
             return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
-        return shard * self.layers[0].mlp.intermediate_size
+        return shard * module.out_features // 2
