@@ -14,6 +14,7 @@ rotary halves; transformers undoes it the same way).
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -38,17 +39,24 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixture-of-experts layers (qwen3moe, qwen2moe, and llama with experts: Mixtral)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# an experts tensor [E, rows, cols]: one weight per expert, each the rows of its slice
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's long-context factors; the config carries them (model_loader)
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for names with no such weight."""
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for names with no such weight.
+    An experts tensor's name has ``{}`` where each expert's number goes (``mlp.experts.{}.gate_proj``)."""
     match = _LAYER.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        name = _LAYER_NAMES.get(part)
+        name = f"mlp.experts.{{}}.{_EXPERTS[part]}" if part in _EXPERTS else _LAYER_NAMES.get(part)
         return None if name is None else f"model.layers.{layer}.{name}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     name = _GLOBAL_NAMES.get(base)
@@ -182,7 +190,8 @@ def read(entry: TensorEntry, data: np.ndarray, mapped: bool = False) -> FileBloc
         return _u8(data).clone().view(DENSE[kind]).reshape(entry.shape)
     if kind not in _DECODERS:
         raise ValueError(f"{entry.name}: GGUF type {kind.name} is not supported (supported: {supported_types()})")
-    rows, cols = entry.shape
+    *outer, cols = entry.shape
+    rows = math.prod(outer)  # an experts tensor's rows: every expert's, one after the other
     raw = _u8(data).reshape(rows, -1)
     return FileBlocks(kind.name, int(kind), cols, (raw,), torch.zeros(rows, dtype=torch.int64), torch.arange(rows),
                       partial(decode_rows, kind, cols), mapped, (entry.offset,))
@@ -234,4 +243,12 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, table: dict 
             weight = weight.rows(order) if isinstance(weight, FileBlocks) else weight[order]
         if isinstance(weight, torch.Tensor):  # read whole: its pages are done with
             drop_pages(data[offset:].ctypes.data, n_bytes)
-        yield hf, weight
+        if "{}" in hf:  # an experts tensor: each expert's weight a view of its rows
+            experts, rows = shape[0], math.prod(shape[1:-1])
+            for e in range(experts):
+                yield hf.format(e), weight[e] if isinstance(weight, torch.Tensor) \
+                    else weight.rows(slice(e * rows, (e + 1) * rows))
+        elif hf.endswith("shared_expert_gate.weight"):
+            yield hf, weight.view(1, -1)  # llama.cpp writes its one row as a vector
+        else:
+            yield hf, weight

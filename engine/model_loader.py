@@ -159,6 +159,7 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
     values.pop("quantization_config", None)
     values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
     values["tie_word_embeddings"] = "output.weight" not in tensors
+    values.update(_gguf_experts(reader))
     if ROPE_FREQS in tensors:  # Llama 3.1's per-frequency divisors, which llama.cpp applies as they are
         values["rope_freq_factors"] = [float(f) for f in tensors[ROPE_FREQS].data]
 
@@ -169,6 +170,23 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
         (tmp / GGUF_TENSORS).write_text(json.dumps(tensor_table(reader)))
 
     return _write_folder(folder, write)
+
+
+def _gguf_experts(reader: GGUFReader) -> dict:
+    """The config values of a mixture-of-experts file that transformers' GGUF mapping leaves out: each expert's
+    and the shared expert's widths (Qwen), and a ``llama`` file's experts (Mixtral, as llama.cpp writes it)."""
+    arch = reader.fields["general.architecture"].contents()
+    field = lambda key: reader.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in reader.fields else None  # noqa: E731
+    experts = field("expert_count")
+    if not experts:
+        return {}
+    if arch == "llama":
+        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": experts,
+                "num_experts_per_tok": field("expert_used_count")}
+    values = {"moe_intermediate_size": field("expert_feed_forward_length")}
+    if field("expert_shared_feed_forward_length"):
+        values["shared_expert_intermediate_size"] = field("expert_shared_feed_forward_length")
+    return {k: v for k, v in values.items() if v is not None}
 
 
 @contextmanager

@@ -65,6 +65,14 @@ class Shard:
     def intermediate_size(self) -> int:
         return self.config.intermediate_size // self.size
 
+    def _width(self, name: str) -> int:
+        """The whole MLP width of the projection ``name`` (a dense MLP's, an expert's or the shared expert's)."""
+        if ".shared_expert." in name:
+            return self.config.shared_expert_intermediate_size
+        if ".experts." in name and getattr(self.config, "moe_intermediate_size", None):
+            return self.config.moe_intermediate_size  # Qwen's; Mixtral's experts are intermediate_size wide
+        return self.config.intermediate_size
+
     def model_config(self) -> PretrainedConfig:
         """The config this rank's model is built from: its heads and MLP columns, the hidden size unchanged."""
         config = copy.deepcopy(self.config)
@@ -72,6 +80,9 @@ class Shard:
         config.num_attention_heads = self.num_heads
         config.num_key_value_heads = self.num_kv_heads
         config.intermediate_size = self.intermediate_size
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # experts split by their columns
+            if getattr(self.config, key, None):
+                setattr(config, key, getattr(self.config, key) // self.size)
         return config
 
     def weights(
@@ -82,27 +93,27 @@ class Shard:
             parts = name.split(".")
             layer = parts[-2] if len(parts) >= 2 else ""
             if layer in _ROW_SPLIT:
-                start, stop = self._output_rows(layer)
+                start, stop = self._output_rows(layer, self._width(name) // self.size)
                 yield name, tensor.rows(slice(start, stop)) if not isinstance(tensor, torch.Tensor) \
                     else tensor[start:stop]
             elif layer in _INPUT_SPLIT and parts[-1] == "weight":
-                start, stop = self._input_columns(layer)
+                start, stop = self._input_columns(layer, self._width(name) // self.size)
                 yield name, tensor.columns(start, stop) if not isinstance(tensor, torch.Tensor) \
                     else tensor[:, start:stop]
             else:  # embeddings, norms, the LM head, and o/down biases (added once, after the sum)
                 yield name, tensor
 
-    def _output_rows(self, layer: str) -> tuple[int, int]:
+    def _output_rows(self, layer: str, width: int) -> tuple[int, int]:
         head_dim = head_dim_of(self.config)
         if layer == "q_proj":
             return self.rank * self.num_heads * head_dim, (self.rank + 1) * self.num_heads * head_dim
         if layer in ("k_proj", "v_proj"):
             first = self.rank * num_kv_heads_of(self.config) // self.size  # replicated: ranks share a head
             return first * head_dim, (first + self.num_kv_heads) * head_dim
-        return self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size
+        return self.rank * width, (self.rank + 1) * width
 
-    def _input_columns(self, layer: str) -> tuple[int, int]:
-        width = self.num_heads * head_dim_of(self.config) if layer == "o_proj" else self.intermediate_size
+    def _input_columns(self, layer: str, width: int) -> tuple[int, int]:
+        width = self.num_heads * head_dim_of(self.config) if layer == "o_proj" else width
         return self.rank * width, (self.rank + 1) * width
 
 
@@ -114,8 +125,10 @@ def check_divisible(config: PretrainedConfig, size: int) -> None:
         problems.append(f"its {heads} attention heads")
     if kv_heads % size and size % kv_heads:
         problems.append(f"its {kv_heads} KV heads (a divisor or a multiple of the size is needed)")
-    if config.intermediate_size % size:
-        problems.append(f"its MLP width {config.intermediate_size}")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        width = getattr(config, key, None)
+        if width and width % size:
+            problems.append(f"its {key} {width}")
     if problems:
         raise ValueError(f"tensor_parallel_size {size} does not divide {' or '.join(problems)}")
 

@@ -36,7 +36,7 @@ Q = GGMLQuantizationType
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # GGUF architecture: llama, qwen2
+    arch: str  # GGUF architecture: llama, qwen2, qwen3moe
     hidden: int
     intermediate: int
     layers: int
@@ -47,12 +47,23 @@ class Shape:
     context: int
     tied: bool
     qkv_bias: bool = False
+    head_dim: int = 0  # where not hidden // heads (Qwen3's 128)
+    qk_norm: bool = False
+    experts: int = 0  # a mixture of experts: E experts in every layer, k used a token, each of width expert_ff
+    experts_used: int = 0
+    expert_ff: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 500000.0, 131072, tied=True),
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 500000.0, 131072, tied=False),
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 6144, 48, 32, 4, 151936, 1000000.0, 40960, tied=False, head_dim=128,
+                           qk_norm=True, experts=128, experts_used=8, expert_ff=768),
 }
 QUANTS = ("q4_k_m", "q5_k_m", "q8_0", "bf16")
 RESERVED_SPECIAL = 256  # reserved special tokens at the end of a padded vocabulary, as Llama 3 has
@@ -96,12 +107,13 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, GGMLQuantizationType]:
     types = {"token_embd.weight": more if shape.tied else main}
     if not shape.tied:
         types["output.weight"] = more
+    ffn = "_exps" if shape.experts else ""  # llama.cpp gives the experts the types it gives a dense FFN
     for i in range(shape.layers):
         bits = more if use_more_bits(i, shape.layers) else main
-        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+        for name in ("attn_q", "attn_k", "attn_output", f"ffn_gate{ffn}", f"ffn_up{ffn}"):
             types[f"blk.{i}.{name}.weight"] = main
         types[f"blk.{i}.attn_v.weight"] = bits
-        types[f"blk.{i}.ffn_down.weight"] = bits
+        types[f"blk.{i}.ffn_down{ffn}.weight"] = bits
     return types
 
 
@@ -111,15 +123,18 @@ _PROJECTIONS = (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), 
                 ("ffn_down", "mlp.down_proj"))
 
 
-def _projection_dims(shape: Shape) -> dict[str, tuple[int, int]]:
-    """(rows, cols) of each projection by its GGUF name: rows are the outputs, cols the inputs (ne[1], ne[0])."""
-    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * (shape.hidden // shape.heads)
-    return {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h), "ffn_gate": (i, h),
-            "ffn_up": (i, h), "ffn_down": (h, i)}
+def _projection_dims(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """(rows, cols) of each projection by its GGUF name: rows are the outputs, cols the inputs (ne[1], ne[0]);
+    (experts, rows, cols) of an experts tensor."""
+    h, i, d = shape.hidden, shape.intermediate, shape.head_size
+    q, kv, e, f = shape.heads * d, shape.kv_heads * d, shape.experts, shape.expert_ff
+    return {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q), "ffn_gate": (i, h),
+            "ffn_up": (i, h), "ffn_down": (h, i), "ffn_gate_exps": (e, f, h), "ffn_up_exps": (e, f, h),
+            "ffn_down_exps": (e, h, f)}
 
 
-def _dims(shape: Shape, name: str) -> tuple[int, int]:
-    """(rows, cols) of a GGUF weight."""
+def _dims(shape: Shape, name: str) -> tuple[int, ...]:
+    """(rows, cols) of a GGUF weight; (experts, rows, cols) of an experts tensor."""
     if name.startswith("blk."):
         return _projection_dims(shape)[name.split(".")[2]]
     return shape.vocab, shape.hidden  # token_embd, output
@@ -162,6 +177,7 @@ def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
 
 
 def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = "") -> Path:
+    """The GGUF file, its tensors made and written one at a time (a 30B-A3B file's 17 GiB never in memory)."""
     rng = np.random.default_rng(seed)
     tmp = out.with_suffix(".partial")
     writer = GGUFWriter(tmp, shape.arch)
@@ -174,32 +190,65 @@ def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = 
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    writer.add_rope_dimension_count(shape.head_size)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ff)
     writer.add_vocab_size(shape.vocab)
     writer.add_file_type({"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M}.get(
         quant, LlamaFileType.MOSTLY_Q8_0))
     _tokenizer(writer, shape.vocab)
-    norm = np.ones(shape.hidden, dtype=np.float32)
-    types = tensor_types(shape, quant)
-    for name, kind in types.items():
-        rows, cols = _dims(shape, name)
-        if name.startswith("blk.") and name.endswith("attn_q.weight"):
-            layer = name.split(".")[1]
-            writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
-            writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
-            if shape.qkv_bias:
-                dims = _projection_dims(shape)
-                for proj in ("attn_q", "attn_k", "attn_v"):
-                    writer.add_tensor(f"blk.{layer}.{proj}.bias",
-                                      rng.normal(0, 0.02, dims[proj][0]).astype(np.float32))
-        writer.add_tensor(name, random_blocks(rng, rows, cols, kind), raw_dtype=kind)
-    writer.add_tensor("output_norm.weight", norm)
+    makers = []  # per tensor, in the file's order: what makes its data
+    for tensor_name, make, raw_dtype in _tensors(shape, quant, rng):
+        probe = make(probe=True)
+        writer.add_tensor_info(tensor_name, probe.shape, probe.dtype, probe.nbytes, raw_dtype=raw_dtype)
+        makers.append(make)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for make in makers:
+        writer.write_tensor_data(make())
     writer.close()
     tmp.rename(out)
     return out
+
+
+def _tensors(shape: Shape, quant: str, rng: np.random.Generator) -> list[tuple[str, Callable, Q | None]]:
+    """(name, maker, raw type) of every tensor in the file's order; ``maker(probe=True)`` gives an array of the
+    tensor's shape and dtype only (no random bits drawn), ``maker()`` its data."""
+    def dense(values: Callable[[], np.ndarray]) -> Callable:
+        return lambda probe=False: values()
+
+    def blocks(dims: tuple[int, ...], kind: Q) -> Callable:
+        *outer, cols = dims
+        rows = int(np.prod(outer))
+        size = cols // GGML_QUANT_SIZES[kind][0] * GGML_QUANT_SIZES[kind][1]
+        return lambda probe=False: (np.empty((*outer, size), np.uint8) if probe
+                                    else random_blocks(rng, rows, cols, kind).reshape(*outer, size))
+
+    norm = lambda n=shape.hidden: dense(lambda: np.ones(n, dtype=np.float32))  # noqa: E731
+    dims = _projection_dims(shape)
+    made = []
+    for name, kind in tensor_types(shape, quant).items():
+        if name.startswith("blk.") and name.endswith("attn_q.weight"):
+            layer = name.split(".")[1]
+            made += [(f"blk.{layer}.attn_norm.weight", norm(), None), (f"blk.{layer}.ffn_norm.weight", norm(), None)]
+            if shape.qk_norm:
+                made += [(f"blk.{layer}.attn_{p}_norm.weight", norm(shape.head_size), None) for p in "qk"]
+            if shape.experts:  # the router: fp32, as llama.cpp keeps it
+                made.append((f"blk.{layer}.ffn_gate_inp.weight", dense(
+                    lambda: rng.normal(0, 0.02, (shape.experts, shape.hidden)).astype(np.float32)), None))
+            if shape.qkv_bias:
+                for proj in ("attn_q", "attn_k", "attn_v"):
+                    made.append((f"blk.{layer}.{proj}.bias", dense(
+                        lambda n=dims[proj][0]: rng.normal(0, 0.02, n).astype(np.float32)), None))
+        made.append((name, blocks(_dims(shape, name), kind), kind))
+    made.append(("output_norm.weight", norm(), None))
+    return made
 
 
 def _hf_tensors(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]:

@@ -23,7 +23,7 @@ from engine.models.llama import (
     qwen2_variant,
     qwen3_variant,
 )
-from engine.models.moe import SparseMoeBlock, mixtral_moe, qwen_moe
+from engine.models.moe import SparseMoeBlock, checkpoint_names, mixtral_moe, qwen_moe
 
 if TYPE_CHECKING:
     from engine.backends.base import TorchBackend
@@ -69,7 +69,8 @@ def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, b
 
     with torch.device(device), _default_dtype(dtype):
         model = build_model(shard.model_config() if shard else config, max_position, backend.make_attention)
-    weights = iter_weights(files, config)
+    # Mixtral's names made Qwen's, and a stacked experts tensor each expert's views, before any shard is cut
+    weights = (named for pair in iter_weights(files, config) for named in checkpoint_names(*pair))
     model.load_weights(shard.weights(weights) if shard else weights, lazy=backend.lazy_weights)
     if all_reduce is not None:
         for layer in model.layers:

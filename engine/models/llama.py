@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.linear import Linear, VocabEmbedding
-from engine.models.moe import MoeVariant, SparseMoeBlock, checkpoint_names
+from engine.models.moe import MoeVariant, SparseMoeBlock
 from engine.models.quantized import Blocks, stack
 from engine.models.rotary import RotaryEmbedding
 
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[int, Blocks | torch.Tensor]] = {}  # fused layer -> its quantized or lazy shards so far
         loaded: set[str] = set()
         lazy = lazy and self.weight_device.type == "cpu"
-        for name, tensor in (named for pair in weights for named in checkpoint_names(*pair)):
+        for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue

@@ -1,0 +1,149 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): greedy tokens equal transformers' on tiny random
+checkpoints, routing as transformers routes, and a GGUF file's expert blocks read as gguf-py reads them."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from engine import LLM, SamplingParams
+from engine.models.llama import head_dim_of
+from engine.models.moe import SparseMoeBlock, route
+from loadtest.models import Shape, write_model
+from tests.conftest import MOE_CONFIGS, hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+TINY_MOE = Shape("qwen3moe", 256, 512, 2, 4, 2, 49160, 1e6, 2048, tied=False, head_dim=64, qk_norm=True,
+                 experts=8, experts_used=2, expert_ff=256)  # vocab: the tokenizer's, padded
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def _hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("kind", sorted(MOE_CONFIGS))
+def test_moe_greedy_matches_transformers_batched_and_chunked(kind, backend, tiny_model):
+    folder = tiny_model(kind)
+    prompts = _prompts(0, (1, 3, 5, 17, 40))
+    expected = [hf_greedy(_hf(folder), p, 16) for p in prompts]
+    # 4-token blocks and a 16-token budget: chunked prefill of the long prompts beside the others' decodes
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,
+              attention_backend=backend)
+    assert isinstance(llm.engine.model.layers[1].mlp, SparseMoeBlock)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_qwen2_moe_keeps_dense_layers_and_the_gated_shared_expert(tiny_model):
+    llm = LLM(str(tiny_model("qwen2-moe-shared")), kv_cache_memory=4 << 20)
+    dense, sparse = (layer.mlp for layer in llm.engine.model.layers)
+    assert not isinstance(dense, SparseMoeBlock)  # mlp_only_layers=[0]
+    assert sparse.shared_expert is not None and sparse.shared_expert_gate.out_features == 1
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral"])
+def test_moe_greedy_matches_transformers_with_prefix_hits_and_preemption(kind, tiny_model):
+    """Prompts sharing a 24-token prefix (cache hits) in a pool too small for all of them at once (preemption)."""
+    folder = tiny_model(kind)
+    prefix = _prompts(1, (24,))[0]
+    prompts = [prefix + tail for tail in _prompts(2, (3, 9, 14, 6, 11, 2))]
+    expected = [hf_greedy(_hf(folder), p, 16) for p in prompts]
+    config = _hf(folder).config
+    per_block = 4 * 2 * 2 * config.num_key_value_heads * head_dim_of(config) * 4  # 4 tokens, 2 layers, K and V, fp32
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=32, enable_prefix_caching=True,
+              kv_cache_memory=24 * per_block)
+    assert llm.engine.kv_cache.num_blocks == 24
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], GREEDY)] == expected[::-1]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_hit_tokens > 0
+    engine.block_manager.check_integrity()
+
+
+def test_routing_ties_go_as_torch_topk_breaks_them():
+    """Four experts with the very same router row: transformers' router picks among them by ``torch.topk``'s
+    order, and so does ours (the same experts and weights, for rows where the tie decides)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                                  norm_topk_prob=True)
+    router = Qwen3MoeTopKRouter(config)
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    weight[[1, 3, 4, 6]] = weight[3].clone()  # tied logits for every token
+    router.weight.data.copy_(weight)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, ref_weights, ref_experts = router(x)
+    weights, experts = route(torch.nn.functional.linear(x, weight), 3, norm=True)
+    assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+    tied = (ref_experts.unsqueeze(-1) == torch.tensor([1, 3, 4, 6])).any(-1).sum(-1)
+    assert ((tied > 0) & (tied < 3)).any(), "some rows took part of the tied group: the tie decided"
+
+
+def test_a_decode_step_runs_each_chosen_expert_once_over_its_tokens(tiny_model):
+    """A step of T tokens runs at most min(E, T k) experts, each over exactly the tokens that chose it."""
+    llm = LLM(str(tiny_model("qwen3-moe")), kv_cache_memory=4 << 20, attention_backend="cpu")
+    block = llm.engine.model.layers[1].mlp
+    calls: list[int] = []
+    for expert in block.experts:
+        expert.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    steps: list[int] = []
+    block.register_forward_hook(lambda module, args, out: steps.append(len(calls)))
+    llm.generate([[5, 6, 7], [9, 10], [11]], SamplingParams(temperature=0, max_tokens=4))
+    per_step = np.diff([0, *steps])
+    assert (per_step <= np.minimum(8, 2 * np.array([6, 3, 3, 3])[:len(per_step)])).all()
+    assert sum(calls) == 2 * (6 + 3 * 3), "every token's two experts, and no more"
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_gguf(tmp_path_factory):
+    return write_model(TINY_MOE, "q4_k_m", tmp_path_factory.mktemp("moe") / "tiny-moe-q4_k_m.gguf", seed=3)
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "q5_k_m", "q8_0"])
+def test_gguf_expert_blocks_decode_as_gguf_py_dequantizes_them(quant, tiny_moe_gguf, tmp_path):
+    """Each expert's weight, a view of the file's experts tensor, dequantizes to gguf-py's values bit for bit."""
+    from engine.gguf_weights import iter_gguf_weights
+
+    path = tiny_moe_gguf if quant == "q4_k_m" else write_model(TINY_MOE, quant, tmp_path / "moe.gguf", seed=4)
+    reference = {t.name: dequantize(t.data, t.tensor_type) for t in GGUFReader(path).tensors}
+    weights = dict(iter_gguf_weights(str(path), TINY_MOE.heads, TINY_MOE.kv_heads))
+    types = set()
+    for layer in range(TINY_MOE.layers):
+        for gguf_name, hf in (("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"),
+                              ("ffn_down_exps", "down_proj")):
+            whole = reference[f"blk.{layer}.{gguf_name}.weight"]
+            assert whole.shape[0] == TINY_MOE.experts
+            for e in range(TINY_MOE.experts):
+                blocks = weights[f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"]
+                types.add(blocks.ggml_type)
+                assert torch.equal(blocks.dequantize(), torch.from_numpy(whole[e].astype(np.float32)))
+        router = weights[f"model.layers.{layer}.mlp.gate.weight"]
+        assert torch.equal(router, torch.from_numpy(reference[f"blk.{layer}.ffn_gate_inp.weight"]))
+    assert types == {"q4_k_m": {"Q4_K", "Q6_K"}, "q5_k_m": {"Q5_K", "Q6_K"}, "q8_0": {"Q8_0"}}[quant]  # Q6_K: down
+
+
+def test_a_random_30b_a3b_shape_has_the_mix_llama_cpp_gives_it():
+    from loadtest.models import SHAPES, tensor_types, use_more_bits
+
+    shape = SHAPES["qwen3-30b-a3b"]
+    types = tensor_types(shape, "q4_k_m")
+    assert types["blk.0.ffn_down_exps.weight"].name == "Q6_K" and use_more_bits(0, 48)
+    assert types["blk.7.ffn_down_exps.weight"].name == "Q4_K" and not use_more_bits(7, 48)
+    assert types["blk.7.ffn_gate_exps.weight"].name == "Q4_K" and types["output.weight"].name == "Q6_K"
