@@ -302,7 +302,10 @@ def test_gguf_names_map_to_hugging_faces():
     assert hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"
-    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.{}.gate_proj.weight"  # per expert
+    assert hf_name("blk.2.ffn_gate_inp.weight") == "model.layers.2.mlp.gate.weight"
+    assert hf_name("blk.2.ffn_up_shexp.weight") == "model.layers.2.mlp.shared_expert.up_proj.weight"
+    assert hf_name("blk.0.ssm_conv1d.weight") is None
 
 
 @pytest.mark.parametrize("on_tiles", [False, True], ids=["fmas", "amx-tiles"])

@@ -42,6 +42,7 @@ from engine.backends.cpu_bodies import (
     f32_choice,
     int8_dot_choice,
     int8_tiles_choice,
+    moe_split_choice,
     screen_choice,
 )
 from engine.backends.decoder_layers import decoder_of
@@ -54,11 +55,13 @@ from engine.backends.gemm_plan import (
 )
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head
 from engine.backends.packed_linear import PackedLinear, SplitLinear, with_body
+from engine.backends.packed_moe import PackedExperts, moe_block_of
 from engine.backends.panel_cache import PanelCache
 from engine.kernel_plan import KernelChoice, PlanRow
 from engine.model_loader import cache_root
 from engine.models.linear import Linear, dequantize_weights
 from engine.models.llama import MLP, RMSNorm
+from engine.models.moe import SparseMoeBlock
 from engine.models.quantized import FileBlocks, QuantizedWeight, SplitBlocks
 from engine.models.rotary import RotaryEmbedding
 from kernels import cdiv
@@ -144,6 +147,7 @@ class CpuBackend(TorchBackend):
         self.widened_panels = 0  # weights whose GGUF blocks AMX widens as it multiplies (timed against BF16A)
         self.split_body: str | None = None  # fp32: a GGUF file's blocks on AMX "tiles" or "FMAs", where timed
         self.panel_cache: PanelCache | None = None  # mapped from, or kept for the next start
+        self.moe_split = True  # a mixture of experts' threads take whole experts, not each product (timed: cpu_bodies)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -340,8 +344,11 @@ class CpuBackend(TorchBackend):
             seq_lens = (positions + 1).to(torch.int32)
         x = model.embed_tokens(input_ids)
         wide = self.wide_decoder is not None and input_ids.shape[0] >= self.wide_rows
-        return (self.wide_decoder if wide else self.decoder)(x, positions, meta.slot_mapping, tables, seq_lens,
-                                                             kv_caches)
+        hidden = (self.wide_decoder if wide else self.decoder)(x, positions, meta.slot_mapping, tables, seq_lens,
+                                                               kv_caches)
+        if hidden is None:  # a tie at the k-th expert: torch.topk breaks it as transformers does, on the modules
+            return super().forward(model, input_ids, positions, kv_caches, meta)
+        return hidden
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         tokens = None if self.greedy_head is None else self.greedy_head.argmax(hidden)
@@ -373,6 +380,9 @@ class CpuBackend(TorchBackend):
             choices.append(f32_choice(gate_up, body))
         if self.int8_screen is not None:
             choices.append(screen_choice(self.int8_screen, body))
+        block = next((layer.mlp.kernel for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)), None)
+        if block is not None:
+            choices.append(moe_split_choice(block.block))
         return choices
 
     def use_choice(self, row: PlanRow) -> None:
@@ -382,6 +392,8 @@ class CpuBackend(TorchBackend):
             self.body = replace(self.body, int8_dot=row.chosen)
         elif row.name == "int8 tile rows":
             self.body = replace(self.body, int8_tile_rows=int(row.chosen))
+        elif row.name == "moe threads":
+            self.moe_split = row.chosen == "experts"
         elif row.name == "int8 screen rows":
             screen = self.int8_screen
             first, _, last = row.chosen.partition("-")
@@ -401,10 +413,13 @@ class CpuBackend(TorchBackend):
             self.argmax_head = model.lm_head.kernel
         if self.int8_screen is not None:
             self.int8_screen.body = self.body
+        for layer in model.layers:  # a mixture of experts' block in one call, over its experts' kernels as set above
+            if isinstance(layer.mlp, SparseMoeBlock):
+                block = moe_block_of(layer.mlp, self.moe_split)
+                layer.mlp.kernel = PackedExperts(block) if block is not None else None
         # NOTE: a tensor-parallel rank's layers must stop twice a layer for the ranks' sums, which the one C call
-        # cannot; its steps go through the modules, whose products are the same panels. So do a mixture of
-        # experts' (its routing decides which panels a step reads).
-        if self.config.tensor_parallel_size == 1 and not model.sparse:
+        # cannot; its steps go through the modules, whose products are the same panels.
+        if self.config.tensor_parallel_size == 1:
             self.decoder = decoder_of(model, self.int8_activations, self.body)
             self.wide_decoder = decoder_of(model, self.int8_activations, self.body, wide=True) if self.wide_rows \
                 else None

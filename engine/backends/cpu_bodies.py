@@ -24,6 +24,7 @@ from engine.backends.packed_linear import PackedLinear, SplitLinear, with_body
 from engine.kernel_plan import KernelChoice
 from engine.timing import best_in_turns
 from kernels import cpu as cpu_kernels
+from kernels.cpu.moe import MoeBlock
 
 # Rows at which the bfloat16 bodies are timed: a stream's decode, and batches of decodes or a prompt chunk. AMX tiles
 # compute 16 rows at once, so they win from a few rows on; the sum weighs the batches, as throughput under load does.
@@ -32,6 +33,7 @@ BF16_ROWS = (1, 16, 64)
 F32_ROWS = (16, 64)
 INT8_ROWS = (1, 16)  # the int8 dot products: a stream's decode and a batch
 Q8X_TILE_ROWS = (4, 16, 64)  # the row counts from which the AMX tiles may take the int8 products
+MOE_ROWS = (1, 16)  # a mixture of experts' threads: a stream's decode step and a batch's
 TIMING_TURNS = 4
 
 Kernel = PackedLinear | SplitLinear
@@ -106,6 +108,28 @@ def screen_choice(screen: Int8ScreenedHead, body: GetBody) -> KernelChoice:
 
     rows = f"{screen.vocab_size} x {screen.packed.shape[1] * 32}, the head from DRAM"
     return KernelChoice("int8 screen rows", rows, measure=measure)
+
+
+def moe_split_choice(block: MoeBlock) -> KernelChoice:
+    """How a mixture of experts' threads share a step's experts: each thread whole experts, or each product split
+    across the threads (the same bits either way), timed on the first block at a stream's decode and a batch's."""
+    def call(split: bool) -> Callable[[], object]:
+        k, inputs = block.weights.top_k, []
+        for rows in MOE_ROWS:
+            experts = torch.stack([torch.randperm(block.num_experts)[:k] for _ in range(rows)])
+            inputs.append((torch.randn(rows, block.hidden), experts, torch.full((rows, k), 1.0 / k)))
+
+        def run() -> None:
+            previous, block.split = block.split, split
+            try:
+                for x, experts, weights in inputs:
+                    block.experts(x, experts, weights)
+            finally:
+                block.split = previous
+        return run
+
+    where = f"{block.num_experts} experts, {block.weights.top_k} a token, at {' + '.join(map(str, MOE_ROWS))} rows"
+    return KernelChoice("moe threads", where, {"experts": call(True), "products": call(False)})
 
 
 def _where(kernel: Kernel, rows: tuple[int, ...]) -> str:

@@ -30,6 +30,12 @@ class PackedLinear:
         """Its fp32 panels where ``wide`` and it has them, else its own: the same bits from either."""
         return self.wide if wide and self.wide is not None else self.packed
 
+    @property
+    def word(self) -> int:
+        """Its product word (ops.h) over its own panels: format, int8 activations, body."""
+        return (cpu_kernels.WEIGHT_FORMATS[self.packed.dtype] | (cpu_kernels.HP_Q8X if self.int8_activations else 0)
+                | self.body.word())
+
     def panels(self, rows: int) -> torch.Tensor:
         """The panels a product of ``rows`` rows reads."""
         return self.read(rows >= self.wide_rows)

@@ -73,6 +73,9 @@ class SparseMoeBlock(nn.Module):
     # a tensor-parallel rank's experts hold a slice of each expert's columns: the block's output is a partial sum,
     # summed across the ranks once (engine/tensor_parallel.py)
     all_reduce: Callable[[torch.Tensor], None] | None = None
+    # (x, experts [T, k], weights [T, k]) -> the chosen experts' weighted sum plus the gated shared expert, in one
+    # call over a backend's packed weights (engine/backends/packed_moe.py); None: the modules below, an expert a call
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, hidden_size: int, moe: MoeVariant, make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
@@ -84,9 +87,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.run_experts(x, experts, weights)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.kernel is not None:
+            out = self.kernel(x, experts, weights)
+        else:
+            out = self.run_experts(x, experts, weights)
+            if self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out

@@ -8,6 +8,7 @@
  * the module path instead (engine/models/llama.py says when). */
 #include <stddef.h>
 
+#include "moe.h"
 #include "ops.h"
 
 /* One decoder layer's weights (linear weights in the packed format its *_format field names, enum hp_weight_format;
@@ -25,6 +26,7 @@ struct hp_layer {
     void *k_cache, *v_cache;
     int qkv_format, o_format, gate_up_format, down_format, qkv_tail_format, gate_up_tail_format;
     int qkv_head_rows, gate_up_head_rows;
+    const struct hp_moe *moe; /* a mixture-of-experts layer's block, in place of gate_up/down (NULL: dense) */
 };
 
 /* y [T, N] = x [T, K] . w + bias for a projection held whole or as a head and a tail of different formats. */
@@ -46,23 +48,35 @@ struct hp_decoder {
     const struct hp_layer *layers;
 };
 
+/* Floats of scratch per token that a mixture-of-experts layer needs beyond the dense layers' (the most of any). */
+static int64_t moe_scratch(const struct hp_decoder *m) {
+    int64_t most = 0;
+    for (int l = 0; l < m->num_layers; l++) {
+        const struct hp_moe *moe = m->layers[l].moe;
+        if (moe && hp_moe_scratch(moe) + 2 * moe->top_k > most) most = hp_moe_scratch(moe) + 2 * moe->top_k;
+    }
+    return most;
+}
+
 /* Floats of scratch per token that hp_decode_forward needs. */
 int64_t hp_decode_scratch(const struct hp_decoder *m) {
     int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
-    return 2 * (int64_t)m->hidden + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate;
+    return 2 * (int64_t)m->hidden + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate + moe_scratch(m);
 }
 
 /* x [T, hidden]: the embeddings of the T decode tokens on entry, the residual stream after (clobbered).
  * hidden_out [T, hidden]: the final norm's output. positions/slots [T] int64; tables [T, table_stride] int32;
- * seq_lens [T] int32 (context including this token); scratch: T * hp_decode_scratch floats. */
-void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, int T, const int64_t *positions,
+ * seq_lens [T] int32 (context including this token); scratch: T * hp_decode_scratch floats. Returns how many
+ * tokens' routing had a tie at the k-th expert (then the step is to be run again the way transformers routes). */
+int hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, int T, const int64_t *positions,
                        const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                        float *scratch) {
     const int H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
     float *h = scratch, *qkv = h + (int64_t)T * H, *attn = qkv + (int64_t)T * qkv_size;
     float *gate_up = attn + (int64_t)T * q_size, *act = gate_up + (int64_t)T * 2 * I, *out = act + (int64_t)T * I;
-    float *residual = x;
+    float *residual = x, *moe = out + (int64_t)T * H;
+    int ties = 0;
     for (int l = 0; l < m->num_layers; l++) {
         const struct hp_layer *L = &m->layers[l];
         if (l == 0)
@@ -84,10 +98,19 @@ void hp_decode_forward(const struct hp_decoder *m, float *x, float *hidden_out, 
                                   T, m->num_heads, m->num_kv_heads, D, m->block_size, m->scale, m->kv_format);
         hp_linear_packed(L->o_format, attn, q_size, L->o, L->o_bias, out, H, T, H, q_size);
         hp_add_rms_norm(out, residual, L->post_norm, h, T, H, m->eps);
+        if (L->moe) {
+            const int k = L->moe->top_k;
+            int32_t *experts = (int32_t *)moe;
+            float *weights = moe + (int64_t)T * k, *work = weights + (int64_t)T * k;
+            ties += hp_moe_route(L->moe, h, H, T, experts, weights, work);
+            hp_moe_experts(L->moe, h, H, T, experts, weights, out, H, work);
+            continue;
+        }
         fused_product(L->gate_up, L->gate_up_format, L->gate_up_tail, L->gate_up_tail_format, L->gate_up_head_rows, h,
                       H, L->gate_up_bias, gate_up, T, 2 * I, H);
         hp_silu_mul(gate_up, act, T, I);
         hp_linear_packed(L->down_format, act, I, L->down, L->down_bias, out, H, T, H, I);
     }
     hp_add_rms_norm(out, residual, m->final_norm, hidden_out, T, H, m->eps);
+    return ties;
 }

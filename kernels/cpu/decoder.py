@@ -17,20 +17,21 @@ from kernels import kv_int8
 from kernels.cpu.bodies import DEFAULT_BODY, Body
 from kernels.cpu.formats import HP_Q8X, WEIGHT_FORMATS, packed_geometry
 from kernels.cpu.library import c_float, c_i64, c_int, library, ptr
+from kernels.cpu.moe import MoeBlock, MoeStruct
 from kernels.cpu.ops import check, kv_format
 
 
 @dataclass
 class LayerWeights:
     """One layer's tensors: RMSNorm weights, linear weights packed by ``pack_weight`` or ``pack_weight_compact``,
-    optional biases, and Qwen3's per-head q/k norms."""
+    optional biases, and Qwen3's per-head q/k norms; a mixture-of-experts layer's block in place of gate_up/down."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -43,6 +44,7 @@ class LayerWeights:
     gate_up_tail: torch.Tensor | None = None
     qkv_head_rows: int = 0
     gate_up_head_rows: int = 0
+    moe: MoeBlock | None = None
 
 
 _PACKED = ("qkv", "o", "gate_up", "down", "qkv_tail", "gate_up_tail")
@@ -61,9 +63,9 @@ class DecoderShape:
 
 
 class _LayerStruct(ctypes.Structure):  # struct hp_layer
-    _fields_ = [(f.name, ptr) for f in fields(LayerWeights) if f.name not in _ROWS] + [
+    _fields_ = [(f.name, ptr) for f in fields(LayerWeights) if f.name not in (*_ROWS, "moe")] + [
         ("k_cache", ptr), ("v_cache", ptr)] + [(f"{name}_format", c_int) for name in _PACKED] + [
-        (name, c_int) for name in _ROWS]
+        (name, c_int) for name in _ROWS] + [("moe", ctypes.POINTER(MoeStruct))]
 
 
 class _DecoderStruct(ctypes.Structure):  # struct hp_decoder
@@ -85,7 +87,7 @@ def _library_with_decoder() -> ctypes.CDLL:
     lib.hp_decode_scratch.restype = c_i64
     lib.hp_decode_forward.argtypes = [ctypes.POINTER(_DecoderStruct), ptr, ptr, c_int, ptr, ptr, ptr, c_i64,
                                       ptr, ptr]
-    lib.hp_decode_forward.restype = None
+    lib.hp_decode_forward.restype = c_int
     return lib
 
 
@@ -130,9 +132,16 @@ class Decoder:
                     k, n = expected[fused]
                     expected[fused], expected[f"{fused}_tail"] = (k, head_rows), (k, n - head_rows)
                     setattr(self._layers[i], f"{fused}_head_rows", head_rows)
+            if (layer.moe is None) == (layer.gate_up is None or layer.down is None):
+                raise ValueError(f"layers[{i}]: either gate_up and down or a mixture-of-experts block")
+            if layer.moe is not None:
+                if layer.moe.hidden != s.hidden:
+                    raise ValueError(f"layers[{i}].moe: hidden {layer.moe.hidden}, not {s.hidden}")
+                self._layers[i].moe = ctypes.pointer(layer.moe.struct)
+                self._tensors.append(layer.moe)
             for f in fields(LayerWeights):
                 t = getattr(layer, f.name)
-                if t is None or f.name in _ROWS:
+                if t is None or f.name in (*_ROWS, "moe"):
                     continue
                 name = f"layers[{i}].{f.name}"
                 if f.name in _PACKED:  # panels of an (in -> out) weight, in any of WEIGHT_FORMATS
@@ -183,7 +192,7 @@ class Decoder:
         block_tables: torch.Tensor,  # [T, max_num_blocks] int32, rows contiguous
         seq_lens: torch.Tensor,  # [T] int32, context length including this token
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:  # [T, hidden]: the final norm's output
+    ) -> torch.Tensor | None:  # [T, hidden]: the final norm's output; None where a routing tie needs torch's topk
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         num_tokens = x.shape[0]
@@ -200,12 +209,12 @@ class Decoder:
             raise ValueError(f"x: expected [T, {self.shape.hidden}], got {tuple(x.shape)}")
         out = torch.empty(num_tokens, self.shape.hidden, dtype=torch.float32)
         scratch = torch.empty(num_tokens * self._scratch, dtype=torch.float32)
-        self._lib.hp_decode_forward(
+        ties = self._lib.hp_decode_forward(
             ctypes.byref(self._struct), x.data_ptr(), out.data_ptr(), num_tokens, positions.data_ptr(),
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             scratch.data_ptr(),
         )
-        return out
+        return None if ties else out
 
 
 def _contiguous(t: torch.Tensor, name: str) -> None:
