@@ -26,6 +26,7 @@ from engine.model_loader import eos_token_ids, load_config, load_tokenizer, reso
 from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.models.llama import head_dim_of
+from engine.models.moe import token_flops
 from engine.outputs import EngineCoreOutput, EngineStats, ModelRunnerOutput, StepCounters
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -86,8 +87,7 @@ class EngineCore:
             raise
         # GEMM FLOPs of a token through the layers, and of a row through the LM head (the step counters' gemm_flops);
         # a tensor-parallel rank's are 1/N of the layers'
-        self._token_flops = sum(2 * m.in_features * m.out_features for m in self.model.layers.modules()
-                                if isinstance(m, torch.nn.Linear))
+        self._token_flops = token_flops(self.model.layers)
         self._logit_row_flops = 2 * self.model.lm_head.in_features * self.model.lm_head.out_features
         logger.info("loaded %s (%s, %s, %s%s) in %.1f s", self.model_name, self.dtype, self.device,
                     self.backend.describe(), f", tensor parallel over {tp} ranks" if tp > 1 else "",

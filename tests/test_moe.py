@@ -147,3 +147,100 @@ def test_a_random_30b_a3b_shape_has_the_mix_llama_cpp_gives_it():
     assert types["blk.0.ffn_down_exps.weight"].name == "Q6_K" and use_more_bits(0, 48)
     assert types["blk.7.ffn_down_exps.weight"].name == "Q4_K" and not use_more_bits(7, 48)
     assert types["blk.7.ffn_gate_exps.weight"].name == "Q4_K" and types["output.weight"].name == "Q6_K"
+
+
+def _permuted(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order of a ``llama`` file's q/k rows (each head's rotary halves interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_q8_gguf(hf, arch: str, path) -> dict[str, torch.Tensor]:
+    """``hf``'s weights in a GGUF file as llama.cpp's converter names them, every matrix Q8_0 (the router and norms
+    fp32); returns the HF state with each matrix replaced by gguf-py's dequantization of its blocks."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from loadtest.models import _tokenizer
+
+    c, state = hf.config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    writer = GGUFWriter(path, arch)
+    for add, value in (("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
+                       ("block_count", c.num_hidden_layers), ("feed_forward_length", c.intermediate_size),
+                       ("head_count", heads), ("head_count_kv", kv_heads), ("rope_freq_base", 1e6),
+                       ("layer_norm_rms_eps", c.rms_norm_eps), ("vocab_size", c.vocab_size),
+                       ("expert_count", c.num_local_experts), ("expert_used_count", c.num_experts_per_tok)):
+        getattr(writer, f"add_{add}")(value)
+    head_dim = head_dim_of(c)
+    writer.add_rope_dimension_count(head_dim)
+    if arch != "llama":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    _tokenizer(writer, c.vocab_size)
+    reference = {}
+
+    def q8(gguf_name: str, hf_name: str | None, w: np.ndarray, order: int | None = None) -> np.ndarray:
+        blocks = quantize(w, GGMLQuantizationType.Q8_0)
+        values = dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(w.shape)
+        stored = _permuted(blocks, order) if order else blocks
+        writer.add_tensor(gguf_name, stored, raw_dtype=GGMLQuantizationType.Q8_0)
+        if hf_name:
+            reference[hf_name] = torch.from_numpy(values.copy())
+        return values
+
+    def f32(gguf_name: str, hf_name: str) -> None:
+        writer.add_tensor(gguf_name, state[hf_name].astype(np.float32))
+
+    f32("output_norm.weight", "model.norm.weight")
+    q8("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"])
+    q8("output.weight", "lm_head.weight", state["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        f32(b + "attn_norm.weight", p + "input_layernorm.weight")
+        f32(b + "ffn_norm.weight", p + "post_attention_layernorm.weight")
+        if p + "self_attn.q_norm.weight" in state:
+            f32(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight")
+            f32(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight")
+        llama = arch == "llama"
+        for g, h, n in (("attn_q", "q_proj", heads), ("attn_k", "k_proj", kv_heads), ("attn_v", "v_proj", 0),
+                        ("attn_output", "o_proj", 0)):
+            q8(f"{b}{g}.weight", f"{p}self_attn.{h}.weight", state[f"{p}self_attn.{h}.weight"], n if llama else None)
+        f32(b + "ffn_gate_inp.weight", p + "mlp.gate.weight")
+        gate_up, down = state[p + "mlp.experts.gate_up_proj"], state[p + "mlp.experts.down_proj"]
+        gate, up = np.split(gate_up, 2, axis=1)
+        gate, up = q8(b + "ffn_gate_exps.weight", None, gate), q8(b + "ffn_up_exps.weight", None, up)
+        reference[p + "mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate, up], axis=1))
+        q8(b + "ffn_down_exps.weight", p + "mlp.experts.down_proj", down)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+@pytest.mark.parametrize("model_type, arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_a_moe_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(model_type, arch, tmp_path):
+    """A tiny Qwen3-MoE written as qwen3moe, and a tiny Mixtral as a ``llama`` file with experts (its q/k rows
+    interleaved as llama.cpp's converter writes them), Q8_0: served from the file's blocks (exact products), the
+    greedy tokens are transformers' on gguf-py's dequantization of the same blocks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True, head_dim=32) \
+        if model_type == "qwen3_moe" else dict(num_local_experts=4, sliding_window=None)
+    config = AutoConfig.for_model(model_type, vocab_size=TINY_MOE.vocab, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                                  rope_theta=1e6, initializer_range=0.25, tie_word_embeddings=False, **extra)
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference = _write_q8_gguf(hf, arch, tmp_path / "tiny-moe-q8_0.gguf")
+    hf.load_state_dict(reference, strict=False)
+    prompts = _prompts(6, (1, 7, 20))
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(str(tmp_path / "tiny-moe-q8_0.gguf"), kv_cache_memory=4 << 20, quantized_matmul="exact",
+              max_num_batched_tokens=16)
+    assert llm.engine.hf_config.architectures == [type(hf).__name__]
+    assert isinstance(llm.engine.model.layers[0].mlp, SparseMoeBlock)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -135,8 +135,9 @@ def _assert_same_greedy(one: tuple, split: tuple) -> None:
     assert worst < 1e-4
 
 
-# a tied Llama with GQA, Qwen3 (q/k norms, untied), and Mistral's single KV head (replicated on both ranks)
-@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm", "mistral"])
+# a tied Llama with GQA, Qwen3 (q/k norms, untied), Mistral's single KV head (replicated on both ranks), and
+# mixtures of experts, each expert split by its columns (Qwen2-MoE's shared expert too, and its dense layer 0)
+@pytest.mark.parametrize("kind", ["llama-gqa-tied", "qwen3-qknorm", "mistral", "qwen2-moe-shared", "mixtral"])
 def test_two_ranks_give_one_process_greedy_tokens(tiny_model, kind):
     path = str(tiny_model(kind))
     prompts = [[1, 5, 9, 30, 44, 100], list(range(3, 60, 2))]

@@ -55,7 +55,7 @@ from engine.backends.gemm_plan import (
 )
 from engine.backends.greedy_head import Int8ScreenedHead, ScreenedGreedyHead, pack_head
 from engine.backends.packed_linear import PackedLinear, SplitLinear, with_body
-from engine.backends.packed_moe import PackedExperts, moe_block_of
+from engine.backends.packed_moe import PackedExperts, moe_block_of, token_weight_bytes
 from engine.backends.panel_cache import PanelCache
 from engine.kernel_plan import KernelChoice, PlanRow
 from engine.model_loader import cache_root
@@ -269,6 +269,9 @@ class CpuBackend(TorchBackend):
             self._packing_rows += [row] if row is not None else []
         self._model = model
         self.use_plan()
+        if model.sparse:
+            logger.info("a token reads %.0f MiB of the packed weights (its experts' share of the experts: top_k of "
+                        "each layer's, at their average size)", token_weight_bytes(model) / 2**20)
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:

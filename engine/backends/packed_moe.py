@@ -37,6 +37,23 @@ def moe_block_of(block: SparseMoeBlock, split: bool = False) -> MoeBlock | None:
     ), split)
 
 
+def _bytes(layer: Linear) -> int:
+    parts = getattr(layer.kernel, "parts", ())
+    return sum(part.packed.nbytes for part in parts) if parts else layer.weight.nbytes
+
+
+def token_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of packed weights one token reads through the layers and the LM head: every dense weight, and of each
+    mixture-of-experts layer top_k experts of the average size (its router and shared expert as dense weights)."""
+    total, experts = 0, set()
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            mine = [m for e in block.experts for m in (e.gate_up_proj, e.down_proj)]
+            total += sum(_bytes(m) for m in mine) * block.top_k // len(block.experts)
+            experts |= {id(m) for m in mine}
+    return total + sum(_bytes(m) for m in model.modules() if isinstance(m, Linear) and id(m) not in experts)
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """``SparseMoeBlock.kernel``: the chosen experts (and the shared one) of a step in one C call."""

@@ -115,6 +115,19 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def token_flops(layers: nn.Module) -> int:
+    """GEMM FLOPs of one token through ``layers``: every linear layer's, but of a mixture of experts only top_k
+    experts' (of their average size), as many as a token runs."""
+    total, experts = 0, set()
+    flops = lambda ms: sum(2 * m.in_features * m.out_features for m in ms)  # noqa: E731
+    for block in layers.modules():
+        if isinstance(block, SparseMoeBlock):
+            mine = [m for e in block.experts for m in e.modules() if isinstance(m, nn.Linear)]
+            total += flops(mine) * block.top_k // len(block.experts)
+            experts |= {id(m) for m in mine}
+    return total + flops(m for m in layers.modules() if isinstance(m, nn.Linear) and id(m) not in experts)
+
+
 # Mixtral's checkpoint names -> ours (the layout Qwen's MoE checkpoints already use)
 _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 

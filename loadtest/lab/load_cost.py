@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=4, help="c1 requests of 128 in / 128 out after loading")
     p.add_argument("--cold", action="store_true",
                    help="drop the page cache before the read and before the server starts (a first start; root)")
+    p.add_argument("--llama-server", metavar="BIN",
+                   help="then the same for llama.cpp's llama-server (loadtest/llama_cpp_setup.sh) on the same file, "
+                        "started as gguf_side_by_side.sh starts it for 16 clients")
     args = p.parse_args(argv)
     path = Path(args.model).expanduser()
     size = sum(f.stat().st_size for f in model_files(path))
@@ -118,10 +121,26 @@ def main(argv: list[str] | None = None) -> None:
     read_s = read_seconds(path)
     if args.cold:
         drop_page_cache()
-    log = Path(f"/tmp/load_cost_{args.port}.log")
+    harpoon = [sys.executable, "-m", "server", "--port", str(args.port), "--model", str(path), "--log-level", "info",
+               *args.serve_args.split()]
+    log, tpot = _measure("harpoon", harpoon, args, path, size, read_s, bandwidth)
+    if args.llama_server:
+        if args.cold:
+            drop_page_cache()
+        _measure("llama-server", [args.llama_server, "--model", str(path), "--host", "127.0.0.1", "--port",
+                                  str(args.port), "--threads", str(os.cpu_count()), "--parallel", "16",
+                                  "--cont-batching", "--ctx-size", str(2048 * 16)], args, path, size, read_s,
+                 bandwidth)
+    _report_engine(log, tpot, read_s, size, bandwidth)
+
+
+def _measure(label: str, command: list[str], args: argparse.Namespace, path: Path, size: int, read_s: float,
+             bandwidth: float) -> tuple[Path, float]:
+    """Start ``command``, time it to healthy, sample its process tree's RSS through a short c1 run; print the
+    figures; its log's path and its c1 seconds a token."""
+    log = Path(f"/tmp/load_cost_{label}_{args.port}.log")
     started = time.perf_counter()
-    server = start([sys.executable, "-m", "server", "--port", str(args.port), "--model", str(path),
-                    "--log-level", "info", *args.serve_args.split()], log)
+    server = start(command, log)
     peak, done = [0], threading.Event()
     each: dict[int, int] = {}  # peak of every process of the tree
 
@@ -142,13 +161,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(base_url=f"http://127.0.0.1:{args.port}", num_prompts=args.prompts, input_len=128,
                           output_len=128, max_concurrency=1, num_warmups=0)
         summary = benchmark_point(cfg, load_tokenizer(None), None, progress=False)["summary"]
-        if size >= MIN_BYTES:  # a first start writes the cache file while it serves: stopped only once it is written
+        if size >= MIN_BYTES and label == "harpoon":  # a first start writes its cache file while it serves
             wait_for_log(log, r"panel_cache: panels (of .* (mapped from|cached in)|not cached)", 600)
     finally:
         done.set()
         stop([server])
     gib = 2**30
-    print(f"file {size / gib:.2f} GiB, read once in {read_s:.1f} s ({'from the disk' if args.cold else 'page cache'})")
+    print(f"== {label}: file {size / gib:.2f} GiB, read once in {read_s:.1f} s "
+          f"({'from the disk' if args.cold else 'page cache'})")
     print(f"healthy after {load_s:.1f} s ({load_s / max(read_s, 1e-3):.0f}x one read); peak RSS while loading "
           f"{load_peak / gib:.2f} GiB ({load_peak / size:.1f}x the file), while serving {peak[0] / gib:.2f} GiB")
     engine_peak = max((rss for pid, rss in each.items() if pid != server.pid), default=0)
@@ -157,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     tpot = summary["tpot_ms"]["median"] / 1000
     print(f"c1, 128 in / 128 out: TPOT p50 {tpot * 1000:.1f} ms, TTFT p50 "
           f"{summary['ttft_ms']['median']:.0f} ms, {summary['output_throughput']:.1f} tok/s")
+    return log, tpot
+
+
+def _report_engine(log: Path, tpot: float, read_s: float, size: int, bandwidth: float) -> None:
+    """What Harpoon's log says of its load, and its c1 decode's rate of reading the weights."""
     text = log.read_text()
     loaded = re.search(r"engine_core: loaded .* in ([\d.]+) s", text)
     if loaded:
@@ -169,7 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         if written:
             print(f"cache file written while serving: {float(written.group(1)):.0f} MiB in {written.group(2)} s")
     weights = re.search(r"weights\s+([\d.]+) MiB", text)
-    if weights:
+    active = re.search(r"a token reads ([\d.]+) MiB", text)  # a mixture of experts': its chosen experts only
+    if active:
+        rate = float(active.group(1)) * 2**20 / tpot
+        print(f"a token reads {float(active.group(1)):.0f} MiB of the packed weights (k of E experts), at "
+              f"{rate / 1e9:.1f} GB/s: {rate / bandwidth:.0%} of the measured {bandwidth / 1e9:.1f} GB/s")
+    elif weights:
         rate = float(weights.group(1)) * 2**20 / tpot
         print(f"weights {float(weights.group(1)):.0f} MiB packed ({float(weights.group(1)) * 2**20 / size:.2f}x the "
               f"file), read at {rate / 1e9:.1f} GB/s a token: {rate / bandwidth:.0%} of the measured "
