@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from engine import LLM, SamplingParams
 from engine.models.llama import head_dim_of
-from engine.models.moe import SparseMoeBlock, route
+from engine.models.moe import SparseMoeBlock, num_experts_of, route
 from loadtest.models import Shape, write_model
 from tests.conftest import MOE_CONFIGS, hf_greedy
 
@@ -169,7 +169,7 @@ def _write_q8_gguf(hf, arch: str, path) -> dict[str, torch.Tensor]:
                        ("block_count", c.num_hidden_layers), ("feed_forward_length", c.intermediate_size),
                        ("head_count", heads), ("head_count_kv", kv_heads), ("rope_freq_base", 1e6),
                        ("layer_norm_rms_eps", c.rms_norm_eps), ("vocab_size", c.vocab_size),
-                       ("expert_count", c.num_local_experts), ("expert_used_count", c.num_experts_per_tok)):
+                       ("expert_count", num_experts_of(c)), ("expert_used_count", c.num_experts_per_tok)):
         getattr(writer, f"add_{add}")(value)
     head_dim = head_dim_of(c)
     writer.add_rope_dimension_count(head_dim)
@@ -177,6 +177,8 @@ def _write_q8_gguf(hf, arch: str, path) -> dict[str, torch.Tensor]:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     _tokenizer(writer, c.vocab_size)
     reference = {}
 
@@ -206,7 +208,14 @@ def _write_q8_gguf(hf, arch: str, path) -> dict[str, torch.Tensor]:
         for g, h, n in (("attn_q", "q_proj", heads), ("attn_k", "k_proj", kv_heads), ("attn_v", "v_proj", 0),
                         ("attn_output", "o_proj", 0)):
             q8(f"{b}{g}.weight", f"{p}self_attn.{h}.weight", state[f"{p}self_attn.{h}.weight"], n if llama else None)
+            if f"{p}self_attn.{h}.bias" in state:
+                f32(f"{b}{g}.bias", f"{p}self_attn.{h}.bias")
         f32(b + "ffn_gate_inp.weight", p + "mlp.gate.weight")
+        if p + "mlp.shared_expert_gate.weight" in state:  # Qwen2-MoE: llama.cpp writes the gate's row as a vector
+            writer.add_tensor(b + "ffn_gate_inp_shexp.weight", state[p + "mlp.shared_expert_gate.weight"][0])
+            for g, h in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"), ("ffn_down_shexp", "down_proj")):
+                name = f"{p}mlp.shared_expert.{h}.weight"
+                q8(f"{b}{g}.weight", name, state[name])
         gate_up, down = state[p + "mlp.experts.gate_up_proj"], state[p + "mlp.experts.down_proj"]
         gate, up = np.split(gate_up, 2, axis=1)
         gate, up = q8(b + "ffn_gate_exps.weight", None, gate), q8(b + "ffn_up_exps.weight", None, up)
@@ -219,21 +228,29 @@ def _write_q8_gguf(hf, arch: str, path) -> dict[str, torch.Tensor]:
     return reference
 
 
-@pytest.mark.parametrize("model_type, arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+@pytest.mark.parametrize("model_type, arch", [
+    ("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama"),
+])
 def test_a_moe_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(model_type, arch, tmp_path):
-    """A tiny Qwen3-MoE written as qwen3moe, and a tiny Mixtral as a ``llama`` file with experts (its q/k rows
-    interleaved as llama.cpp's converter writes them), Q8_0: served from the file's blocks (exact products), the
-    greedy tokens are transformers' on gguf-py's dequantization of the same blocks."""
+    """A tiny Qwen3-MoE written as qwen3moe, a Qwen2-MoE (q/k/v biases, the gated shared expert) as qwen2moe, and a
+    Mixtral as a ``llama`` file with experts (its q/k rows interleaved as llama.cpp's converter writes them), Q8_0:
+    served from the file's blocks (exact products), the greedy tokens are transformers' on gguf-py's dequantization
+    of the same blocks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True, head_dim=32) \
-        if model_type == "qwen3_moe" else dict(num_local_experts=4, sliding_window=None)
+    extra = {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, norm_topk_prob=True, head_dim=32),
+             "qwen2_moe": dict(num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                               norm_topk_prob=False),
+             "mixtral": dict(num_local_experts=4, sliding_window=None)}[model_type]
     config = AutoConfig.for_model(model_type, vocab_size=TINY_MOE.vocab, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
                                   rope_theta=1e6, initializer_range=0.25, tie_word_embeddings=False, **extra)
     torch.manual_seed(5)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, param in hf.named_parameters():
+        if name.endswith("bias"):  # Qwen2-MoE's q/k/v biases start at zero
+            torch.nn.init.normal_(param, std=0.25)
     reference = _write_q8_gguf(hf, arch, tmp_path / "tiny-moe-q8_0.gguf")
     hf.load_state_dict(reference, strict=False)
     prompts = _prompts(6, (1, 7, 20))

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
+# Memory a CPU server leaves to the rest of the machine (its API process, the OS, the page cache) before its default
+# KV pool takes half of what is free. Why: a Qwen3-30B-A3B Q4_K_M's 17.8 GB of panels on a 24 GiB machine left 4.4 GB
+# free, and half of it as the pool put the server at 20.45 GiB, the file's 17.3 plus 3.2.
+CPU_HEADROOM_BYTES = 2 << 30
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.85  # of the memory left free once the weights are loaded
 # Prompt tokens a CPU step may carry per decode in it, a waiting request counting as one. A prompt arriving beside
 # running streams then enters in pieces that lengthen their steps by a bounded fraction, instead of one ~0.6 s step
@@ -84,7 +88,8 @@ class TorchBackend:
         if memory is None:
             if self.device.type == "cuda":
                 return int(available_memory(self.device) * DEFAULT_GPU_KV_CACHE_FRACTION)
-            return min(DEFAULT_CPU_KV_CACHE_BYTES, self._free_memory() // 2)
+            free = self._free_memory()
+            return min(DEFAULT_CPU_KV_CACHE_BYTES, max(free - CPU_HEADROOM_BYTES, free // 2) // 2)
         if isinstance(memory, float):
             return int(self._free_memory() * memory)
         return int(memory)
