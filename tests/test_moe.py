@@ -49,6 +49,16 @@ def test_moe_greedy_matches_transformers_batched_and_chunked(kind, backend, tiny
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_moe_on_the_triton_backend_matches_transformers(tiny_model):
+    """The GPU backend's path (Triton attention, interpreted here; experts one torch call each, no CUDA graphs)."""
+    folder = tiny_model("qwen2-moe-shared")
+    prompts = _prompts(7, (1, 9))
+    expected = [hf_greedy(_hf(folder), p, 8) for p in prompts]
+    llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_qwen2_moe_keeps_dense_layers_and_the_gated_shared_expert(tiny_model):
     llm = LLM(str(tiny_model("qwen2-moe-shared")), kv_cache_memory=4 << 20)
     dense, sparse = (layer.mlp for layer in llm.engine.model.layers)

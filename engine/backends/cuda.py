@@ -4,7 +4,8 @@
   kernel; nothing is gathered into contiguous tensors.
 - Norms (with the residual add), rotary and SiLU-mul are one Triton launch each (``kernels/fused_ops.py``) instead of
   ~40 small torch kernels a layer.
-- Steps of up to 512 tokens replay a graph captured at start-up (``cuda_graphs.py``), unless ``enforce_eager``.
+- Steps of up to 512 tokens replay a graph captured at start-up (``cuda_graphs.py``), unless ``enforce_eager`` (or
+  the model is a mixture of experts, whose experts run one torch call each, eagerly).
 - On a CPU it runs only under the Triton interpreter (``TRITON_INTERPRET=1``, the tests); graphs then run eagerly.
 """
 
@@ -100,8 +101,10 @@ class TritonBackend(TorchBackend):
 
     def bind(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_batched_tokens: int,
              max_model_len: int) -> None:
-        # NOTE: under tensor parallelism the steps run eagerly: a captured graph would hold the ranks' collectives.
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.tensor_parallel_size == 1:
+        # NOTE: under tensor parallelism the steps run eagerly: a captured graph would hold the ranks' collectives. So
+        # do a mixture of experts' steps: its experts are run by the tokens' routing, which a graph cannot follow.
+        if (self.device.type == "cuda" and not self.config.enforce_eager and self.config.tensor_parallel_size == 1
+                and not model.sparse):
             self.graphs = CudaGraphs(model, kv_cache, max_num_batched_tokens, self.config.max_num_seqs,
                                      max_model_len, self.device)
 
