@@ -50,7 +50,7 @@ def test_moe_greedy_matches_transformers_batched_and_chunked(kind, backend, tiny
 
 
 def test_moe_on_the_triton_backend_matches_transformers(tiny_model):
-    """The GPU backend's path (Triton attention, interpreted here; experts one torch call each, no CUDA graphs)."""
+    """The GPU backend's path, interpreted here: Triton attention and the experts as grouped GEMMs (no CUDA graphs)."""
     folder = tiny_model("qwen2-moe-shared")
     prompts = _prompts(7, (1, 9))
     expected = [hf_greedy(_hf(folder), p, 8) for p in prompts]
@@ -107,8 +107,9 @@ def test_routing_ties_go_as_torch_topk_breaks_them():
 
 
 def test_a_decode_step_runs_each_chosen_expert_once_over_its_tokens(tiny_model):
-    """A step of T tokens runs at most min(E, T k) experts, each over exactly the tokens that chose it."""
-    llm = LLM(str(tiny_model("qwen3-moe")), kv_cache_memory=4 << 20, attention_backend="cpu")
+    """On the modules (the torch backend's path) a step of T tokens runs at most min(E, T k) experts, each over
+    exactly the tokens that chose it."""
+    llm = LLM(str(tiny_model("qwen3-moe")), kv_cache_memory=4 << 20, attention_backend="torch")
     block = llm.engine.model.layers[1].mlp
     calls: list[int] = []
     for expert in block.experts:
@@ -119,6 +120,63 @@ def test_a_decode_step_runs_each_chosen_expert_once_over_its_tokens(tiny_model):
     per_step = np.diff([0, *steps])
     assert (per_step <= np.minimum(8, 2 * np.array([6, 3, 3, 3])[:len(per_step)])).all()
     assert sum(calls) == 2 * (6 + 3 * 3), "every token's two experts, and no more"
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen2-moe-shared"])
+def test_the_c_block_computes_what_the_modules_compute(kind, tiny_model):
+    """The CPU backend's one-call block (``kernels/cpu/moe.c``), both ways of sharing the threads, against the
+    modules one expert a call: tokens that chose the same experts, an expert no token chose, the shared expert; and
+    its routing against torch's, a tie at the k-th place reported."""
+    llm = LLM(str(tiny_model(kind)), kv_cache_memory=4 << 20, attention_backend="cpu")
+    block = llm.engine.model.layers[1].mlp
+    c_block, e, k = block.kernel.block, block.num_experts, block.top_k
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, block.gate.in_features, generator=g)
+    experts = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(9)])
+    experts[3] = experts[0]
+    weights = torch.rand(9, k, generator=g)
+    block.kernel = None
+    with torch.no_grad():
+        expected = block.run_experts(x, experts, weights)
+        if block.shared_expert is not None:
+            expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        for split in (True, False):
+            c_block.split = split
+            torch.testing.assert_close(c_block.experts(x, experts, weights), expected, rtol=1e-5, atol=1e-5)
+        ref_weights, ref_experts = route(block.gate(x), k, block.norm_topk_prob)
+    got_experts, got_weights, ties = c_block.route(x)
+    assert torch.equal(got_experts.long(), ref_experts) and ties == 0
+    torch.testing.assert_close(got_weights, ref_weights, rtol=1e-5, atol=1e-6)
+    zero = torch.zeros(1, block.gate.in_features)  # every logit 0: E-way tie
+    assert c_block.route(zero)[2] == 1
+
+
+def test_a_tie_at_the_kth_expert_is_broken_as_transformers_breaks_it(tiny_model, tmp_path, smollm2_tokenizer):
+    """Routers whose rows repeat tie every token at the k-th place: the one-call decoder reports the tie and the
+    step runs on the modules, where torch.topk picks as transformers does; the tokens are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3-moe"), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[2:6] = gate[1].clone()  # experts 1-5 always tie; with k = 2 the k-th place is often among them
+    hf.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    prompts = _prompts(8, (3, 11))
+    expected = [hf_greedy(hf.eval(), p, 12) for p in prompts]
+    llm = LLM(str(tmp_path), kv_cache_memory=4 << 20, attention_backend="cpu", max_num_batched_tokens=16)
+    backend, results = llm.engine.backend, []
+    decoder = backend.decoder
+
+    def counted(*args):
+        results.append(decoder(*args))
+        return results[-1]
+
+    backend.decoder = counted
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert any(r is None for r in results), "some steps tied, and went to the modules"
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +329,27 @@ def test_a_moe_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(
     assert isinstance(llm.engine.model.layers[0].mlp, SparseMoeBlock)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_fused_experts_kernel_matches_one_expert_at_a_time():
+    """The grouped GEMMs (interpreted here) against each expert's SwiGLU in torch: tokens that chose the same expert
+    twice over a step, an expert no token chose, runs padded to BLOCK_M rows."""
+    from kernels.fused_moe import BLOCK_M, align_by_expert, fused_experts
+
+    g = torch.Generator().manual_seed(0)
+    t, e, k, h, i = 21, 6, 2, 32, 48
+    x, w13 = torch.randn(t, h, generator=g), torch.randn(e, 2 * i, h, generator=g)
+    w2 = torch.randn(e, h, i, generator=g)
+    experts = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e - 1: none
+    weights = torch.rand(t, k, generator=g)
+    pairs, block_experts = align_by_expert(experts, e)
+    assert pairs.numel() % BLOCK_M == 0 and sorted(pairs[pairs < t * k].tolist()) == list(range(t * k))
+    for b, expert in enumerate(block_experts.tolist()):
+        run = pairs[b * BLOCK_M:(b + 1) * BLOCK_M]
+        assert (experts.flatten()[run[run < t * k]] == expert).all()
+    expected = torch.zeros(t, h)
+    for j in range(e):
+        rows, slots = (experts == j).nonzero(as_tuple=True)
+        gate, up = (x[rows] @ w13[j].T).chunk(2, dim=-1)
+        expected.index_add_(0, rows, (torch.nn.functional.silu(gate) * up) @ w2[j].T * weights[rows, slots, None])
+    torch.testing.assert_close(fused_experts(x, w13, w2, experts, weights), expected, rtol=1e-4, atol=1e-4)

@@ -4,8 +4,9 @@
   kernel; nothing is gathered into contiguous tensors.
 - Norms (with the residual add), rotary and SiLU-mul are one Triton launch each (``kernels/fused_ops.py``) instead of
   ~40 small torch kernels a layer.
+- A mixture of experts' chosen experts run as two grouped GEMMs a layer (``kernels/fused_moe.py``).
 - Steps of up to 512 tokens replay a graph captured at start-up (``cuda_graphs.py``), unless ``enforce_eager`` (or
-  the model is a mixture of experts, whose experts run one torch call each, eagerly).
+  the model is a mixture of experts: its steps run eagerly).
 - On a CPU it runs only under the Triton interpreter (``TRITON_INTERPRET=1``, the tests); graphs then run eagerly.
 """
 
@@ -19,7 +20,9 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.backends.base import TorchBackend
 from engine.backends.cuda_graphs import CudaGraphs
+from engine.backends.triton_moe import TritonExperts
 from engine.models.llama import MLP, RMSNorm
+from engine.models.moe import SparseMoeBlock
 from engine.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -95,6 +98,8 @@ class TritonBackend(TorchBackend):
         for module in model.modules():
             if isinstance(module, (RMSNorm, MLP, RotaryEmbedding)):
                 module.ops = fused_ops
+            elif isinstance(module, SparseMoeBlock):  # the chosen experts as two grouped GEMMs
+                module.kernel = TritonExperts.stack(module)
         # The fused rotary reads the tables in the model's dtype, as transformers rounds cos and sin to it.
         model.rotary.cos_cache = model.rotary.cos_cache.to(self.dtype)
         model.rotary.sin_cache = model.rotary.sin_cache.to(self.dtype)
@@ -102,7 +107,8 @@ class TritonBackend(TorchBackend):
     def bind(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_batched_tokens: int,
              max_model_len: int) -> None:
         # NOTE: under tensor parallelism the steps run eagerly: a captured graph would hold the ranks' collectives. So
-        # do a mixture of experts' steps: its experts are run by the tokens' routing, which a graph cannot follow.
+        # do a mixture of experts' steps for now: its grouped GEMMs read nothing back to the host (fused_moe.py), but
+        # their capture is untried on a GPU.
         if (self.device.type == "cuda" and not self.config.enforce_eager and self.config.tensor_parallel_size == 1
                 and not model.sparse):
             self.graphs = CudaGraphs(model, kv_cache, max_num_batched_tokens, self.config.max_num_seqs,
