@@ -73,8 +73,9 @@ class SparseMoeBlock(nn.Module):
     # a tensor-parallel rank's experts hold a slice of each expert's columns: the block's output is a partial sum,
     # summed across the ranks once (engine/tensor_parallel.py)
     all_reduce: Callable[[torch.Tensor], None] | None = None
-    # (x, experts [T, k], weights [T, k]) -> the chosen experts' weighted sum plus the gated shared expert, in one
-    # call over a backend's packed weights (engine/backends/packed_moe.py); None: the modules below, an expert a call
+    # (x, experts [T, k], weights [T, k]) -> the chosen experts' weighted sum plus the gated shared expert, as a
+    # backend runs them at once (the CPU's C block, packed_moe.py; a GPU's grouped GEMMs, triton_moe.py); None: the
+    # modules below, an expert a call
     kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, hidden_size: int, moe: MoeVariant, make_mlp: Callable[[int], nn.Module]) -> None:
