@@ -33,8 +33,7 @@ class PackedLinear:
     @property
     def word(self) -> int:
         """Its product word (ops.h) over its own panels: format, int8 activations, body."""
-        return (cpu_kernels.WEIGHT_FORMATS[self.packed.dtype] | (cpu_kernels.HP_Q8X if self.int8_activations else 0)
-                | self.body.word())
+        return cpu_kernels.product_word(self.packed, self.int8_activations, self.body)
 
     def panels(self, rows: int) -> torch.Tensor:
         """The panels a product of ``rows`` rows reads."""

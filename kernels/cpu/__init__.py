@@ -50,6 +50,7 @@ from kernels.cpu.ops import (
     linear,
     linear_int8,
     paged_decode_attention,
+    product_word,
     q8x_rounding_error,
     rms_norm,
     rotary_,
@@ -90,8 +91,8 @@ __all__ = [
     "linear_int8", "pack_blocks", "pack_gguf", "pack_gguf_ksplit", "pack_gguf_rows", "pack_gguf_widened",
     "pack_weight", "pack_weight_bf16a", "pack_weight_bf16c", "pack_weight_blocks", "pack_weight_compact",
     "pack_weight_int8", "pack_weight_q4a", "pack_weight_q6a", "pack_weight_q8a", "packed_geometry",
-    "paged_decode_attention", "panel_layout", "panel_width", "q8x_available", "q8x_dots", "q8x_rounding_error",
-    "q8x_tiles_available", "register_rows", "rms_norm", "rotary_", "row_norms", "screened_argmax",
+    "paged_decode_attention", "panel_layout", "panel_width", "product_word", "q8x_available", "q8x_dots",
+    "q8x_rounding_error", "q8x_tiles_available", "register_rows", "rms_norm", "rotary_", "row_norms", "screened_argmax",
     "shm_sum", "shm_sum_bytes", "silu_mul", "store_kv",
     "widen_panels",
 ]

@@ -15,10 +15,10 @@ import torch
 
 from kernels import kv_int8
 from kernels.cpu.bodies import DEFAULT_BODY, Body
-from kernels.cpu.formats import HP_Q8X, WEIGHT_FORMATS, packed_geometry
+from kernels.cpu.formats import WEIGHT_FORMATS, packed_geometry
 from kernels.cpu.library import c_float, c_i64, c_int, library, ptr
 from kernels.cpu.moe import MoeBlock, MoeStruct
-from kernels.cpu.ops import check, kv_format
+from kernels.cpu.ops import check, kv_format, product_word
 
 
 @dataclass
@@ -150,8 +150,7 @@ class Decoder:
                         raise ValueError(f"{name}: expected contiguous packed panels, got {t.dtype}")
                     if t.dim() != 3 or packed_geometry(t)[0] != k or packed_geometry(t)[1] < n:
                         raise ValueError(f"{name}: packed {tuple(t.shape)} does not hold a {k} -> {n} weight")
-                    setattr(self._layers[i], f"{f.name}_format",
-                            WEIGHT_FORMATS[t.dtype] | (HP_Q8X if int8_activations else 0) | body.word())
+                    setattr(self._layers[i], f"{f.name}_format", product_word(t, int8_activations, body))
                 else:
                     _contiguous(t, name)
                     if tuple(t.shape) != expected[f.name]:

@@ -51,6 +51,12 @@ def _fitting_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return x
 
 
+def product_word(packed: torch.Tensor, int8_activations: bool = False, body: Body = DEFAULT_BODY) -> int:
+    """The word that names a product over ``packed``'s panels (ops.h): their format, the int8-activation flag, the
+    body."""
+    return WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0) | body.word()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            int8_activations: bool = False, out: torch.Tensor | None = None, body: Body = DEFAULT_BODY) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x`` [M, K] (rows may be strided) and ``packed = pack_weight(weight)`` or
@@ -67,7 +73,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
                          f"strides {y.stride()}")
     b = 0 if bias is None else bias.contiguous().data_ptr()
     if m:
-        fmt = WEIGHT_FORMATS[packed.dtype] | (HP_Q8X if int8_activations else 0) | body.word()
+        fmt = product_word(packed, int8_activations, body)
         library().hp_linear_packed(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.stride(0),
                                     m, out_features, k)
     return y
@@ -80,7 +86,7 @@ def argmax_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     x = _fitting_rows(x, packed, out_features)
     m, k = x.shape
     ids = torch.empty(m, dtype=torch.int64)
-    word = WEIGHT_FORMATS[packed.dtype] | body.word()
+    word = product_word(packed, body=body)
     found = library().hp_argmax_packed(word, x.data_ptr(), x.stride(0), packed.data_ptr(), m, out_features, k,
                                         ids.data_ptr())
     return ids if found == 0 else None
