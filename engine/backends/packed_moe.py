@@ -9,7 +9,7 @@ import torch
 
 from engine.backends.packed_linear import PackedLinear
 from engine.models.linear import Linear
-from engine.models.moe import SparseMoeBlock
+from engine.models.moe import SparseMoeBlock, per_token
 from kernels.cpu.moe import MoeBlock, MoeWeights, Product
 
 
@@ -43,15 +43,8 @@ def _bytes(layer: Linear) -> int:
 
 
 def token_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of packed weights one token reads through the layers and the LM head: every dense weight, and of each
-    mixture-of-experts layer top_k experts of the average size (its router and shared expert as dense weights)."""
-    total, experts = 0, set()
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            mine = [m for e in block.experts for m in (e.gate_up_proj, e.down_proj)]
-            total += sum(_bytes(m) for m in mine) * block.top_k // len(block.experts)
-            experts |= {id(m) for m in mine}
-    return total + sum(_bytes(m) for m in model.modules() if isinstance(m, Linear) and id(m) not in experts)
+    """Bytes of packed weights one token reads through the layers and the LM head (``per_token``)."""
+    return per_token(model, _bytes)
 
 
 @dataclass(frozen=True)

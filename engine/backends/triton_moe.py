@@ -38,8 +38,4 @@ class TritonExperts:
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from kernels.fused_moe import fused_experts  # defines kernels: after TRITON_INTERPRET is set
 
-        out = fused_experts(x.contiguous(), self.w13, self.w2, experts, weights)
-        block = self.block
-        if block.shared_expert is not None:
-            out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-        return out
+        return self.block.with_shared(fused_experts(x.contiguous(), self.w13, self.w2, experts, weights), x)

@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def sparse(self) -> bool:
-        """Whether any layer is a mixture of experts (whose steps the one-call C decoder does not run)."""
+        """Whether any layer is a mixture of experts (whose experts a step chooses: no CUDA graph captures it)."""
         return any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers)
 
     def first_mlp(self) -> MLP:

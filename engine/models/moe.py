@@ -91,12 +91,17 @@ class SparseMoeBlock(nn.Module):
         if self.kernel is not None:
             out = self.kernel(x, experts, weights)
         else:
-            out = self.run_experts(x, experts, weights)
-            if self.shared_expert is not None:
-                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = self.with_shared(self.run_experts(x, experts, weights), x)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
+
+    def with_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' ``out`` plus the shared expert's output scaled by sigmoid(shared_expert_gate(x)),
+        where the block has one (Qwen2-MoE)."""
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once, over just the tokens that chose it, in ascending expert order (transformers'
@@ -116,17 +121,21 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def token_flops(layers: nn.Module) -> int:
-    """GEMM FLOPs of one token through ``layers``: every linear layer's, but of a mixture of experts only top_k
-    experts' (of their average size), as many as a token runs."""
+def per_token(module: nn.Module, measure: Callable[[Linear], int]) -> int:
+    """``measure`` summed over the linear layers one token runs through ``module``: every layer's, but of a mixture
+    of experts only top_k experts' (of their average), as many as a token runs."""
     total, experts = 0, set()
-    flops = lambda ms: sum(2 * m.in_features * m.out_features for m in ms)  # noqa: E731
-    for block in layers.modules():
+    for block in module.modules():
         if isinstance(block, SparseMoeBlock):
             mine = [m for e in block.experts for m in e.modules() if isinstance(m, nn.Linear)]
-            total += flops(mine) * block.top_k // len(block.experts)
+            total += sum(map(measure, mine)) * block.top_k // len(block.experts)
             experts |= {id(m) for m in mine}
-    return total + flops(m for m in layers.modules() if isinstance(m, nn.Linear) and id(m) not in experts)
+    return total + sum(measure(m) for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in experts)
+
+
+def token_flops(layers: nn.Module) -> int:
+    """GEMM FLOPs of one token through ``layers`` (``per_token``)."""
+    return per_token(layers, lambda m: 2 * m.in_features * m.out_features)
 
 
 # Mixtral's checkpoint names -> ours (the layout Qwen's MoE checkpoints already use)
