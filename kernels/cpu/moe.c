@@ -103,19 +103,13 @@ void hp_moe_experts(const struct hp_moe *m, const float *x, int64_t ldx, int T, 
         free(next);
     }
     for (int64_t p = 0; p < pairs; p++) memcpy(xs + p * H, x + (order[p] / k) * ldx, H * sizeof(float));
-    if (m->split) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int h = 0; h < num_hit; h++) {
-            const int e = hit[h], first = count[e], n = count[e + 1] - first;
-            expert_mlp(m->gate_up_format[e], m->gate_up[e], m->down_format[e], m->down[e], xs + (int64_t)first * H,
-                       gu + (int64_t)first * 2 * I, act + (int64_t)first * I, ys + (int64_t)first * H, n, H, I);
-        }
-    } else {
-        for (int h = 0; h < num_hit; h++) {
-            const int e = hit[h], first = count[e], n = count[e + 1] - first;
-            expert_mlp(m->gate_up_format[e], m->gate_up[e], m->down_format[e], m->down[e], xs + (int64_t)first * H,
-                       gu + (int64_t)first * 2 * I, act + (int64_t)first * I, ys + (int64_t)first * H, n, H, I);
-        }
+    /* split: the threads take whole experts, each product inside on its thread; else the region is inactive and each
+     * product splits across the threads itself */
+#pragma omp parallel for schedule(dynamic, 1) if (m->split)
+    for (int h = 0; h < num_hit; h++) {
+        const int e = hit[h], first = count[e], n = count[e + 1] - first;
+        expert_mlp(m->gate_up_format[e], m->gate_up[e], m->down_format[e], m->down[e], xs + (int64_t)first * H,
+                   gu + (int64_t)first * 2 * I, act + (int64_t)first * I, ys + (int64_t)first * H, n, H, I);
     }
     /* each token's experts added in ascending expert order onto zeros, as transformers adds them */
     for (int t = 0; t < T; t++) memset(out + t * ldo, 0, H * sizeof(float));
