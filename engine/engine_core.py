@@ -35,6 +35,7 @@ from engine.spec_decode import NgramProposer
 from engine.start_up import burst_room, probe_room, size_cpu_token_budget, warm_up_bursts
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
 from engine.tensor_parallel import Shard
+from engine.thinking import ThinkingState
 from engine.timeline import Timelines
 from engine.tp_workers import TPWorkers
 
@@ -224,6 +225,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.resolve_max_tokens(len(prompt_token_ids), params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, max_tokens)
+        if params.thinking is not None:
+            arrived = arrival_time if arrival_time is not None else time.monotonic()
+            request.thinking = ThinkingState(params.thinking, request.prompt_token_ids, arrived)
         if params.structured_outputs is None:
             self.scheduler.add_request(request)
         else:
@@ -295,6 +299,7 @@ class EngineCore:
                 self.timelines.stepped(scheduled, *_monotonic(scheduled_at, executed_at))
             outputs += self.scheduler.update_from_output(scheduled, result)
             self._count_step(scheduled, result, scheduled_at - start, time.perf_counter() - executed_at)
+            self.scheduler.step_times.observe(time.perf_counter() - start)
         if self.timelines is not None:
             self.timelines.produced(outputs)
         return outputs

@@ -101,7 +101,8 @@ class ModelRunner:
         if not sample_rows and not verify_rows and not prompt_rows:
             return out  # only prefill chunks that end mid-prompt: K/V written, nothing to sample or score
         rows = hidden[torch.tensor(sample_rows + verify_rows + prompt_rows, dtype=torch.int64, device=self.device)]
-        sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device) if sampled else None
+        sampling = SamplingMetadata.from_requests(sampled, self.vocab_size, self.device,
+                                                  sched.forced_token_ids) if sampled else None
         num_sampled, num_greedy = len(sampled), len(sampled) + len(verify_rows)
         if (sampling is None or sampling.plain_greedy) and not scorings:
             token_ids = self.backend.greedy_tokens(rows)  # the argmax without the full logits, where it can

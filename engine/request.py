@@ -10,6 +10,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import Grammar
+from engine.thinking import ThinkingState
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +62,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: where the output stands in its grammar, fed every output token as it is appended
     grammar: Grammar | None = None
+    # A reasoning model's thinking (when the request names its markers): a grammar holds only the answer
+    thinking: ThinkingState | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -94,8 +97,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
+        answer = self.thinking.accept(token_id) if self.thinking is not None else True
+        if self.grammar is not None and answer:
             self.grammar.accept(token_id)
+
+    @property
+    def grammar_active(self) -> bool:
+        """Whether the grammar holds the next token (not while the model thinks)."""
+        return self.grammar is not None and (self.thinking is None or self.thinking.grammar_active)
 
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Hash every full block not hashed yet; block i's hash covers its tokens and block i-1's hash, so equal

@@ -2,6 +2,7 @@
 except the rows that carry their own seed).
 
 Pipeline, per row:  grammar mask -> logit_bias -> min_tokens ban -> repetition/presence/frequency penalties
+                        -> a forced token (a thinking bound) masks all others
                         = processed logits
                     greedy rows: argmax(processed)
                     random rows: / temperature -> min_p -> top_k/top_p -> softmax -> inverse-CDF draw
@@ -64,7 +65,7 @@ class Sampler:
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The logits as the requests' grammars, biases, bans and penalties leave them: a new tensor where any
         applies, else ``logits`` itself (a copy of 64 rows of a 49152-token vocabulary is 12.6 MB to write)."""
-        if any(x is not None for x in (meta.allowed_tokens, meta.logit_bias, meta.banned)):
+        if any(x is not None for x in (meta.allowed_tokens, meta.logit_bias, meta.banned, meta.forced)):
             logits = logits.clone()  # written in place below; the caller's logits stay as they were (penalties make
             # a new tensor of their own)
         if meta.allowed_tokens is not None:  # first: -inf stays -inf through bias and penalties
@@ -76,6 +77,10 @@ class Sampler:
             logits[meta.banned] = float("-inf")
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
+        if meta.forced is not None:  # last: nothing else may move a forced row
+            rows, ids = meta.forced
+            logits[rows] = float("-inf")
+            logits[rows, ids] = 0.0
         return logits
 
     @staticmethod

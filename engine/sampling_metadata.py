@@ -27,14 +27,18 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
     output_token_ids: torch.Tensor | None  # [B, max_output_len] int64, padded with vocab_size
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf (min_tokens, a forced close)
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, bitmask [rows, words]) of rows with a grammar
+    # (rows, token ids): each row emits its token whatever the logits say (a thinking bound closing the thinking)
+    forced: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch, None if nobody asked
     # Every row takes the argmax of its raw logits (SamplingParams.plain_argmax, and no token banned for min_tokens).
     plain_greedy: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
+                      forced_token_ids: dict[str, int] | None = None) -> SamplingMetadata:
+        """``forced_token_ids``: the step's forced tokens, by request id."""
         params = [r.sampling_params for r in requests]
 
         def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -54,15 +58,25 @@ class SamplingMetadata:
                 bias_rows.append(row)
                 bias_ids.append(token_id)
                 bias_values.append(value)
-            if request.num_output_tokens < p.min_tokens:
+            if request.num_output_tokens < p.min_tokens or (request.thinking and request.thinking.needs_answer):
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
                 ban_rows += [row] * len(banned)
                 ban_ids += sorted(banned)
 
-        grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        grammar_rows, starts = [], []
+        for row, request in enumerate(requests):
+            if request.grammar_active:
+                grammar_rows.append(row)
+            elif request.grammar is not None and request.thinking.start_continuation() is not None:
+                grammar_rows.append(row)  # before the model shows whether it thinks: the grammar or a thinking block
+                starts.append((len(grammar_rows) - 1, request.thinking.start_continuation()))
         bitmask = new_bitmask(len(grammar_rows), vocab_size) if grammar_rows else None
         for i, row in enumerate(grammar_rows):
             requests[row].grammar.fill_bitmask(bitmask, i)
+        for i, token_id in starts:
+            bitmask[i, token_id // 32] |= _bit(token_id % 32)
+        forced = [(row, forced_token_ids[r.request_id]) for row, r in enumerate(requests)
+                  if forced_token_ids and r.request_id in forced_token_ids]
 
         def padded(rows: list[list[int]]) -> torch.Tensor:
             width = max(1, max(len(r) for r in rows))
@@ -86,6 +100,12 @@ class SamplingMetadata:
             logit_bias=(column(bias_rows, long), column(bias_ids, long), column(bias_values)) if bias_rows else None,
             banned=(column(ban_rows, long), column(ban_ids, long)) if ban_rows else None,
             allowed_tokens=(column(grammar_rows, long), bitmask.to(device)) if grammar_rows else None,
+            forced=(column([f[0] for f in forced], long), column([f[1] for f in forced], long)) if forced else None,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            plain_greedy=all(p.plain_argmax for p in params) and not ban_rows,
+            plain_greedy=all(p.plain_argmax for p in params) and not ban_rows and not forced,
         )
+
+
+def _bit(index: int) -> int:
+    """Bit ``index`` of a bitmask word (int32: bit 31 is the sign)."""
+    return (1 << index) - (1 << 32 if index == 31 else 0)

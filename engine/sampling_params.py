@@ -54,6 +54,35 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
+class ThinkingParams:
+    """Where a reasoning model's thinking opens and closes (token ids of its markers, from the server's reasoning
+    parser), and the bounds on it: ``max_tokens`` thinking tokens (vLLM's ``thinking_token_budget``) and/or
+    ``deadline_ms`` of wall-clock time from the request's arrival. Reaching either, the engine forces the end
+    marker (engine/thinking.py). Without bounds the markers still matter: a grammar applies to the answer only."""
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    max_tokens: int | None = None
+    deadline_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start_ids", tuple(int(t) for t in self.start_ids))
+        object.__setattr__(self, "end_ids", tuple(int(t) for t in self.end_ids))
+        if not self.start_ids or not self.end_ids:
+            raise ValueError("thinking markers must be non-empty token id sequences")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequestError(f"thinking_token_budget must be >= 0, got {self.max_tokens}",
+                                      "thinking_token_budget")
+        if self.deadline_ms is not None and not self.deadline_ms > 0:
+            raise InvalidRequestError(f"thinking_deadline_ms must be > 0, got {self.deadline_ms}",
+                                      "thinking_deadline_ms")
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_tokens is not None or self.deadline_ms is not None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules for one request, validated at construction.
 
@@ -84,6 +113,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's option)
     structured_outputs: StructuredOutputsParams | None = None
+    thinking: ThinkingParams | None = None  # a reasoning model's thinking markers and bounds
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string from callers, store tuples (the dataclass is frozen and hashable).
@@ -148,4 +178,4 @@ class SamplingParams:
         """The token is the argmax of the raw logits: greedy, no bias, penalty or grammar changes them, and no logprobs
         are asked for. (A pending ``min_tokens`` may still ban tokens: that depends on the request's progress.)"""
         return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
-                and self.structured_outputs is None)
+                and self.structured_outputs is None and (self.thinking is None or not self.thinking.bounded))

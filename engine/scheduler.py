@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PositionLogprobs
 from engine.request import Request, RequestStatus
 from engine.spec_decode import NgramProposer
+from engine.thinking import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Drafts to verify, per decoding request that has them: its scheduled tokens are its last token plus these.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Tokens a sampled request must emit this step (a thinking bound closing its thinking: engine/thinking.py)
+    forced_token_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -88,6 +91,7 @@ class Scheduler:
         self._gone: list[str] = []  # requests the runner held that left since the last plan it ran
         self.num_draft_tokens = 0  # speculative decoding: drafts verified so far, and how many of them were kept
         self.num_accepted_tokens = 0
+        self.step_times = StepTimes()  # what the engine's steps take now: thinking deadlines plan with it
 
     # ---- queue management ----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -250,7 +254,21 @@ class Scheduler:
         finished: list[str] = []
         if scheduled:  # an empty plan is not run: the runner learns of the requests gone with the next one it runs
             finished, self._gone = self._gone, []
-        return SchedulerOutput(scheduled, num_scheduled, self._new_block_ids(scheduled), finished, preempted, drafts)
+        return SchedulerOutput(scheduled, num_scheduled, self._new_block_ids(scheduled), finished, preempted, drafts,
+                               self._forced_tokens(scheduled, num_scheduled))
+
+    def _forced_tokens(self, scheduled: list[Request], num_scheduled: dict[str, int]) -> dict[str, int]:
+        """The tokens that requests sampling this step must emit to keep their thinking bounds."""
+        forced = {}
+        now = time.monotonic()
+        for request in scheduled:
+            thinking = request.thinking
+            if (thinking is not None and thinking.may_force
+                    and request.num_computed_tokens + num_scheduled[request.request_id] == request.num_tokens):
+                token_id = thinking.forced_token(now, self.step_times.step_s)
+                if token_id is not None:
+                    forced[request.request_id] = token_id
+        return forced
 
     def _new_block_ids(self, scheduled: list[Request]) -> dict[str, list[int]]:
         """What each scheduled request's table gained since it was last sent (tables only ever grow, or go)."""

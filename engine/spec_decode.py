@@ -28,7 +28,8 @@ from engine.request import Request
 
 def can_draft(request: Request) -> bool:
     """Whether the request's next tokens are plain argmaxes, so a draft is verified by comparing token ids."""
-    return request.sampling_params.plain_argmax and request.num_output_tokens >= request.sampling_params.min_tokens
+    return (request.sampling_params.plain_argmax and request.num_output_tokens >= request.sampling_params.min_tokens
+            and (request.thinking is None or not request.thinking.may_force))
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
