@@ -22,7 +22,7 @@ from server.async_engine import AsyncEngine
 from server.debug import add_debug_routes
 from server.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.serving import OpenAIServing
+from server.serving import OpenAIServing, ThinkingDefaults
 
 logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -159,10 +159,12 @@ class InternalErrorMiddleware:
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_waiting_requests: int = 1024, tool_call_parser: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_debug_routes: bool = False) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_debug_routes: bool = False,
+              reasoning_parser: str | None = None, thinking: ThinkingDefaults | None = None) -> FastAPI:
     app = FastAPI(title="Harpoon", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
     app.add_middleware(InternalErrorMiddleware)
-    serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser)
+    serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser,
+                            reasoning_parser, thinking)
     app.state.engine = engine
     app.state.draining = False
     created = int(time.time())

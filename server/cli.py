@@ -24,7 +24,8 @@ from engine.model_loader import load_tokenizer, resolve_model
 from engine.timeline import DEFAULT_CAPACITY
 from server.engine_client import make_engine_client
 from server.limits import DEFAULT_MAX_BODY_BYTES
-from server.tool_calls import TOOL_CALL_PARSERS
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from server.async_engine import AsyncEngine
@@ -58,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "--tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5/3)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split a reasoning model's thinking into reasoning_content (qwen3: <think> blocks, "
+                             "Qwen3/Qwen3.5; deepseek_r1: thinking until </think>; gpt_oss: harmony channels)")
+    parser.add_argument("--thinking-token-budget", type=int, default=None,
+                        help="with --reasoning-parser: thinking tokens a request gets where it sets no "
+                             "thinking_token_budget; the end marker is forced when they are spent")
+    parser.add_argument("--thinking-deadline-ms", type=float, default=None,
+                        help="with --reasoning-parser: milliseconds from arrival by which thinking is closed where a "
+                             "request sets no thinking_deadline_ms")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--enable-debug-routes", action="store_true",
                         help="serve GET /dashboard and its data behind the API key: /debug/requests[/{id}] (the "
@@ -121,6 +131,7 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     from server.api import build_app
     from server.async_engine import AsyncEngine
     from server.metrics import Metrics
+    from server.serving import ThinkingDefaults
 
     try:
         info = await engine_started
@@ -137,7 +148,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=auto_tool_parser, max_body_bytes=args.max_request_body_bytes,
-                    enable_debug_routes=args.enable_debug_routes)
+                    enable_debug_routes=args.enable_debug_routes, reasoning_parser=args.reasoning_parser,
+                    thinking=ThinkingDefaults(args.thinking_token_budget, args.thinking_deadline_ms))
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)
@@ -165,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.tool_call_parser == "openai" and args.reasoning_parser != "gpt_oss":
+        parser.error("--tool-call-parser openai reads harmony messages: it needs --reasoning-parser gpt_oss")
+    bounds = args.thinking_token_budget is not None or args.thinking_deadline_ms is not None
+    if bounds and args.reasoning_parser is None:
+        parser.error("--thinking-token-budget and --thinking-deadline-ms need --reasoning-parser")
     engine_args = engine_args_from(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -89,20 +89,27 @@ class ChatFormat:
         return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     def choice(self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-               stop_reason: int | str | None, tool_calls: list[dict] | None = None) -> dict:
+               stop_reason: int | str | None, tool_calls: list[dict] | None = None, reasoning: str | None = None,
+               with_reasoning: bool = False) -> dict:
+        """``with_reasoning``: the message has a ``reasoning_content`` field (a reasoning parser is on)."""
         message = {"role": "assistant", "content": text}
+        if with_reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                     stop_reason: int | str | None, first: bool = False, tool_calls: list[dict] | None = None
-                     ) -> dict:
-        """A first chunk that opens with tool calls has content null, as a whole message with only calls has."""
+                     stop_reason: int | str | None, first: bool = False, tool_calls: list[dict] | None = None,
+                     reasoning: str = "") -> dict:
+        """A first chunk that opens with tool calls or thinking has content null, as a whole message with only
+        calls has."""
         delta: dict = {"content": text} if text else {}
         if first:
-            delta = {"role": "assistant", "content": text if text or not tool_calls else None}
+            delta = {"role": "assistant", "content": text if text or not (tool_calls or reasoning) else None}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,

@@ -130,8 +130,8 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # SGLang's own fields, which its router (sglang-router: the compose profile "replicas", loadtest/replicas.py)
-    # writes into every body it forwards. Harpoon has none of their features: the values that ask for nothing are
-    # taken (there is no reasoning parser, so the reasoning switches change nothing), the others are a 400.
+    # writes into every body it forwards: the values that ask for nothing are taken, the others are a 400.
+    # separate_reasoning=false leaves a reasoning model's thinking in the content; stream_reasoning changes nothing.
     no_stop_trim: bool = False
     return_hidden_states: bool = False
     separate_reasoning: bool = True
@@ -306,6 +306,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, object] | None = None
+    # Reasoning models (a server with --reasoning-parser): vLLM's thinking budget, Harpoon's thinking deadline (ms
+    # from arrival), whether the message carries the thinking, and OpenAI's effort (passed to the template)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    thinking_deadline_ms: float | None = Field(default=None, gt=0)
+    include_reasoning: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, object] | None:
+        """``chat_template_kwargs``, with ``reasoning_effort`` where given (gpt-oss's template reads it)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

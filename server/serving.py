@@ -21,12 +21,23 @@ from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
 from engine.structured_output import check_grammar
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, RequestRejectedError
+from server.chat_reader import ChatReading
 from server.formats import ChatFormat, CompletionFormat, TokenText, usage
 from server.prompts import Prompt, PromptBuilder
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from server.tool_calls import ToolPlan, plan_tools, whole_message
+from server.reasoning import REASONING_PARSERS
+from server.tool_calls import plan_tools
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinkingDefaults:
+    """The server's bounds on thinking (--thinking-token-budget, --thinking-deadline-ms) for requests that set none."""
+
+    max_tokens: int | None = None
+    deadline_ms: float | None = None
+
 DISCONNECT_POLL_S = 0.05
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 ResponseFormat = CompletionFormat | ChatFormat
@@ -34,10 +45,15 @@ ResponseFormat = CompletionFormat | ChatFormat
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, served_model_name: str,
-                 max_waiting_requests: int, tool_call_parser: str | None = None) -> None:
-        """``tool_call_parser``: how ``tool_choice`` "auto" reads calls from the text; None refuses "auto"."""
+                 max_waiting_requests: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 thinking: ThinkingDefaults | None = None) -> None:
+        """``tool_call_parser``: how ``tool_choice`` "auto" reads calls from the text; None refuses "auto".
+        ``reasoning_parser``: how a reasoning model's thinking is told from its answer (None: it is content);
+        ``thinking``: the server's bounds on it where a request sets none."""
         self.engine = engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+        self.thinking = thinking or ThinkingDefaults()
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer, engine.info.limits.max_model_len)
         self.served_model_name = served_model_name
@@ -106,7 +122,7 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         prompt = await self.prompts.chat_prompt(body.messages, body.add_generation_prompt,
-                                                body.continue_final_message, body.chat_template_kwargs, tools)
+                                                body.continue_final_message, body.template_kwargs(), tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs, None)
@@ -116,17 +132,37 @@ class OpenAIServing:
                 raise APIError(400, f"tool_choice {plan.kind!r} holds the output to the tools' schemas: it cannot be "
                                     "combined with response_format or structured_outputs", param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=grammar)
-        if plan.kind == "auto":  # a parser's tags may be special tokens: keep them in the text it reads
-            params = dataclasses.replace(params, skip_special_tokens=False)
+        params = self._with_thinking(body, params)
+        reasoning = self.reasoning if body.separate_reasoning else None
+        if plan.kind == "auto" or (reasoning is not None and reasoning.special_tokens):
+            params = dataclasses.replace(params, skip_special_tokens=False)  # a parser's tags may be special tokens
+        reading = ChatReading(plan if plan.kind != "none" else None, reasoning, prompt.text or "",
+                              body.include_reasoning)
         return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs, arrival,
-                                 tools=plan if plan.kind != "none" else None)
+                                 reading=reading)
+
+    def _with_thinking(self, body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """The thinking markers and bounds for the engine, where a reasoning parser is on."""
+        budget = body.thinking_token_budget if body.thinking_token_budget is not None else self.thinking.max_tokens
+        deadline = body.thinking_deadline_ms if body.thinking_deadline_ms is not None else self.thinking.deadline_ms
+        if self.reasoning is None:
+            for field in ("thinking_token_budget", "thinking_deadline_ms"):
+                if getattr(body, field) is not None:
+                    raise APIError(400, f"{field} needs a reasoning parser: start the server with --reasoning-parser",
+                                   param=field)
+            return params
+        try:
+            thinking = self.reasoning.thinking_params(self.tokenizer, budget, deadline)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return dataclasses.replace(params, thinking=thinking)
 
     # ---- shared -------------------------------------------------------------------------------------------------
     async def _serve(self, body: OpenAIRequest, raw: Request, prefix: str, prompts: list[Prompt],
                      params: SamplingParams, fmt: ResponseFormat, num_logprobs: int | None, arrival: float,
-                     echo: bool = False, tools: ToolPlan | None = None, keep: int | None = None) -> Response:
-        """``tools``: how a chat's text becomes tool calls (None: plain content). ``keep``: of the ``params.n``
-        samples of each prompt, answer with this many, those of the highest mean token logprob (best_of).
+                     echo: bool = False, reading: ChatReading | None = None, keep: int | None = None) -> Response:
+        """``reading``: how a chat's text becomes its message (thinking, content, tool calls). ``keep``: of the
+        ``params.n`` samples of each prompt, answer with this many, those of the highest mean token logprob (best_of).
         ``arrival``: when the request came in (``time.monotonic()``), the start of its timeline. The response
         names its id in the body and in an ``X-Request-Id`` header (the key of ``/debug/requests/{id}``)."""
         self._validate(prompts, params)
@@ -139,7 +175,7 @@ class OpenAIServing:
         header = {"id": request_id, "created": created, "model": self.served_model_name}
         if body.stream:
             stream = self._stream(header, choices, prompts, fmt, num_logprobs, echo, body.include_usage,
-                                  num_prompt_tokens, tools, arrival)
+                                  num_prompt_tokens, reading, arrival)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": request_id})
@@ -159,12 +195,13 @@ class OpenAIServing:
                 entries = list(state.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
             if num_logprobs is not None:
                 logprobs = fmt.logprobs(token_ids, entries, num_logprobs, 0)
-            if tools is None:
+            if reading is None or reading.plain:
                 out_choices.append(fmt.choice(state.index, text, logprobs, state.finish_reason, state.stop_reason))
                 continue
-            content, calls = whole_message(tools, text)
-            finish = tools.finish_reason(state.finish_reason, bool(calls))
-            out_choices.append(fmt.choice(state.index, content, logprobs, finish, state.stop_reason, calls))
+            content, reasoning, calls = reading.whole(text)
+            finish = reading.finish_reason(state.finish_reason, bool(calls))
+            out_choices.append(fmt.choice(state.index, content, logprobs, finish, state.stop_reason, calls,
+                                          reasoning, reading.reasoning is not None))
         return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
                              "usage": usage(num_prompt_tokens, states, params.n)}, headers={"X-Request-Id": request_id})
 
@@ -197,9 +234,9 @@ class OpenAIServing:
 
     async def _stream(self, header: dict, choices: list[Choice], prompts: list[Prompt], fmt: ResponseFormat,
                       num_logprobs: int | None, echo: bool, include_usage: bool,
-                      num_prompt_tokens: int, tools: ToolPlan | None, arrival: float) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, reading: ChatReading | None, arrival: float) -> AsyncIterator[str]:
         chunk_header = {**header, "object": fmt.chunk_object}
-        readers = {c.index: tools.reader() for c in choices} if tools is not None else {}
+        readers = {c.index: reading.reader() for c in choices} if reading is not None and not reading.plain else {}
         called: set[int] = set()
         sent_text = dict.fromkeys((c.index for c in choices), 0)
         sent_tokens = dict.fromkeys(sent_text, 0)
@@ -250,16 +287,16 @@ class OpenAIServing:
                     sent_text[i], sent_tokens[i] = update.text_end, update.num_tokens
                     finish = state.finish_reason if finished else None
                     stop_reason = state.stop_reason if finish else None
-                    calls: list[dict] = []
+                    chat_only: dict = {"first": True} if i in first_chunk else {}  # all empty for a completion
                     if readers:
                         delta = readers[i].feed(text, finished)
-                        text, calls = delta.content, delta.tool_calls
-                        if calls:
+                        text = delta.content
+                        if delta.tool_calls:
                             called.add(i)
-                        finish = tools.finish_reason(finish, i in called)
-                    chat_only = {"first": True} if i in first_chunk else {}  # both empty for a completion
-                    if calls:
-                        chat_only["tool_calls"] = calls
+                            chat_only["tool_calls"] = delta.tool_calls
+                        if delta.reasoning:
+                            chat_only["reasoning"] = delta.reasoning
+                        finish = reading.finish_reason(finish, i in called)
                     first_chunk.discard(i)
                     choice = fmt.chunk_choice(i, text, logprobs, finish, stop_reason, **chat_only)
                     yield token_chunk(choice)

@@ -234,7 +234,7 @@ MOE_CONFIGS = {
 }
 
 
-def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
+def build_tiny_model(kind: str, folder: Path, tokenizer, vocab_size: int = 512) -> Path:
     """A 2-layer random-weight model of the given family, saved as a Hugging Face folder with a tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -242,7 +242,7 @@ def build_tiny_model(kind: str, folder: Path, tokenizer) -> Path:
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=512,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

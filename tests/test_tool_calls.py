@@ -9,15 +9,11 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server.chat_reader import ChatReading
 from server.prompts import render_chat
 from server.protocol import ChatMessage
-from server.tool_calls import (
-    HermesCallsReader,
-    Llama3JsonCallsReader,
-    RequiredCallsReader,
-    plan_tools,
-    whole_message,
-)
+from server.tool_calls import RequiredCallsReader, plan_tools
+from server.tool_parsers import HermesCallsReader, Llama3JsonCallsReader
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -28,6 +24,12 @@ LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris; 
           '{"name": "get_time", "arguments": {}}')
 REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris, \\"FR\\" [x]"}}, {"name": "get_time", ' \
            '"parameters": {}}]'
+
+
+def whole_message(plan, text: str) -> tuple[str | None, list[dict]]:
+    content, reasoning, calls = ChatReading(plan, None).whole(text)
+    assert reasoning is None
+    return content, calls
 
 
 def streamed(plan, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
