@@ -422,3 +422,30 @@ def _generation_config_eos(files: ModelFiles) -> int | list[int] | None:
     if not path.exists():
         return None
     return json.loads(path.read_text()).get("eos_token_id")
+
+
+# generation_config.json's sampling fields, and the request fields they stand in for (vLLM's --generation-config)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(files: ModelFiles, source: str = "auto") -> dict[str, float | int]:
+    """The sampling values a request that leaves a field out gets, from ``generation_config.json``: the model's
+    own (``source`` "auto"), none ("vllm": the API's defaults), or a folder's. Raise ValueError for a folder
+    without one, or values no request could have."""
+    if source == "vllm":
+        return {}
+    path = (files.path if source == "auto" else Path(source)) / "generation_config.json"
+    if not path.is_file():
+        if source == "auto":
+            return {}
+        raise ValueError(f"--generation-config {source}: no generation_config.json there")
+    config = json.loads(path.read_text())
+    defaults = {ours: config[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if config.get(theirs) is not None}
+    from engine.sampling_params import SamplingParams  # light; checks the values as a request's
+
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: its sampling values cannot be request defaults: {e}") from None
+    return defaults

@@ -160,11 +160,12 @@ class InternalErrorMiddleware:
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_waiting_requests: int = 1024, tool_call_parser: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_debug_routes: bool = False,
-              reasoning_parser: str | None = None, thinking: ThinkingDefaults | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, thinking: ThinkingDefaults | None = None,
+              sampling_defaults: dict | None = None) -> FastAPI:
     app = FastAPI(title="Harpoon", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
     app.add_middleware(InternalErrorMiddleware)
     serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser,
-                            reasoning_parser, thinking)
+                            reasoning_parser, thinking, sampling_defaults)
     app.state.engine = engine
     app.state.draining = False
     created = int(time.time())
@@ -209,7 +210,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models() -> JSONResponse:
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "harpoon",
-                "root": engine.info.model_path, "max_model_len": engine.info.limits.max_model_len}
+                "root": engine.info.model_path, "max_model_len": engine.info.limits.max_model_len,
+                "sampling_defaults": serving.sampling_defaults}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions", dependencies=[Depends(guard)])

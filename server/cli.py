@@ -20,7 +20,7 @@ import uvicorn
 from engine.arg_utils import add_engine_arguments, engine_args_from, parse_memory
 from engine.config import EngineConfig
 from engine.gc_heap import freeze_startup_heap
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_loader import load_tokenizer, resolve_model, sampling_defaults
 from engine.timeline import DEFAULT_CAPACITY
 from server.engine_client import make_engine_client
 from server.limits import DEFAULT_MAX_BODY_BYTES
@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--thinking-deadline-ms", type=float, default=None,
                         help="with --reasoning-parser: milliseconds from arrival by which thinking is closed where a "
                              "request sets no thinking_deadline_ms")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling values for the fields a request leaves out: 'auto' (the model's "
+                             "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens), 'vllm' (none: the API's defaults) or a folder holding one")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--enable-debug-routes", action="store_true",
                         help="serve GET /dashboard and its data behind the API key: /debug/requests[/{id}] (the "
@@ -118,6 +122,13 @@ class _DrainingServer(uvicorn.Server):
 
 async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     files = resolve_model(args.model)  # in this process first: a GGUF file's config and tokenizer are read once, here
+    try:
+        defaults = sampling_defaults(files, args.generation_config)
+    except ValueError as e:
+        raise EngineStartError(str(e)) from None
+    if defaults:
+        logger.info("sampling defaults from generation_config.json (--generation-config %s): %s",
+                    args.generation_config, ", ".join(f"{k}={v}" for k, v in defaults.items()))
     if args.enable_debug_routes and not engine_args.get("request_timelines"):
         engine_args = {**engine_args, "request_timelines": DEFAULT_CAPACITY}
     config = EngineConfig.from_kwargs(model=str(files.source), **engine_args)
@@ -149,7 +160,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=auto_tool_parser, max_body_bytes=args.max_request_body_bytes,
                     enable_debug_routes=args.enable_debug_routes, reasoning_parser=args.reasoning_parser,
-                    thinking=ThinkingDefaults(args.thinking_token_budget, args.thinking_deadline_ms))
+                    thinking=ThinkingDefaults(args.thinking_token_budget, args.thinking_deadline_ms),
+                    sampling_defaults=defaults)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = _DrainingServer(uv_config, engine, args.shutdown_timeout)

@@ -153,9 +153,11 @@ class _SamplingFields(_Strict):
                                       "return_hidden_states")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
-                        ) -> SamplingParams:
-        """Raise InvalidRequestError naming the offending field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """Raise InvalidRequestError naming the offending field. ``defaults``: the model's sampling values
+        (generation_config.json) for the fields the request leaves out."""
+        defaults = defaults or {}
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -164,16 +166,17 @@ class _SamplingFields(_Strict):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
 
-        def given(value: object, default: object) -> object:
-            return default if value is None else value
+        def given(name: str, default: object) -> object:
+            value = getattr(self, name)
+            return defaults.get(name, default) if value is None else value
 
         return SamplingParams(
-            n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
-            top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+            n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0), min_p=given("min_p", 0.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, presence_penalty=given(self.presence_penalty, 0.0),
-            frequency_penalty=given(self.frequency_penalty, 0.0),
-            repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=bias, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0), logit_bias=bias, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),

@@ -46,10 +46,12 @@ ResponseFormat = CompletionFormat | ChatFormat
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, served_model_name: str,
                  max_waiting_requests: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 thinking: ThinkingDefaults | None = None) -> None:
+                 thinking: ThinkingDefaults | None = None, sampling_defaults: dict | None = None) -> None:
         """``tool_call_parser``: how ``tool_choice`` "auto" reads calls from the text; None refuses "auto".
         ``reasoning_parser``: how a reasoning model's thinking is told from its answer (None: it is content);
-        ``thinking``: the server's bounds on it where a request sets none."""
+        ``thinking``: the server's bounds on it where a request sets none. ``sampling_defaults``: the model's
+        sampling values (generation_config.json) for the fields a request leaves out."""
+        self.sampling_defaults = sampling_defaults or {}
         self.engine = engine
         self.tool_call_parser = tool_call_parser
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
@@ -99,13 +101,21 @@ class OpenAIServing:
         return [Choice(s.request_id, prompts[s.index // params.n].token_ids, s.params, s.index)
                 for s in fan_out(request_id, len(prompts), params)]
 
+    def _sampling_params(self, body: OpenAIRequest, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
+        except InvalidRequestError as e:
+            param = _grammar_param(body) if e.param == "structured_outputs" else e.param
+            raise APIError(400, str(e), param=param) from None
+
     # ---- /v1/completions ------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
         prompts = await self.prompts.completion_prompts(body)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         if body.num_samples > body.n:  # best_of: every sample's logprob ranks it, asked for or not
             params = dataclasses.replace(params, n=body.num_samples, logprobs=params.logprobs or 0)
         return await self._serve(body, raw, "cmpl", prompts, params, self.completion_format, body.logprobs, arrival,
@@ -124,8 +134,10 @@ class OpenAIServing:
         prompt = await self.prompts.chat_prompt(body.messages, body.add_generation_prompt,
                                                 body.continue_final_message, body.template_kwargs(), tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.sampling_defaults.get("max_tokens")
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, max_tokens, num_logprobs, None)
+        params = self._sampling_params(body, max_tokens, num_logprobs, None)
         grammar = plan.structured_outputs()
         if grammar is not None:
             if params.structured_outputs is not None:
@@ -311,15 +323,6 @@ class OpenAIServing:
             logger.exception("streaming a response failed")
             yield event(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         yield "data: [DONE]\n\n"
-
-
-def _sampling_params(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
-                     ) -> SamplingParams:
-    try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
-    except InvalidRequestError as e:
-        param = _grammar_param(body) if e.param == "structured_outputs" else e.param
-        raise APIError(400, str(e), param=param) from None
 
 
 def _grammar_param(body: OpenAIRequest) -> str:

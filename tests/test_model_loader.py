@@ -186,3 +186,23 @@ def test_the_tokenizer_given_the_kept_config_is_the_one_transformers_builds_alon
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
     assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == alone.apply_chat_template(
         chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_sampling_defaults_come_from_the_generation_config(tmp_path):
+    import json
+
+    from engine.model_loader import ModelFiles, sampling_defaults
+
+    files = ModelFiles(tmp_path, "m")
+    assert sampling_defaults(files) == {}  # none written: the API's own
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}))
+    assert sampling_defaults(files) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    assert sampling_defaults(files, "vllm") == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        sampling_defaults(files, str(other))
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 7.0}))
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_defaults(files, str(other))

@@ -14,6 +14,7 @@ from tests.server_process import ServerProcess
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+GENERATION = {"temperature": 0.7, "top_k": 1, "max_new_tokens": 20}  # the checkpoint's sampling defaults
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,8 @@ def server(tmp_path_factory, smollm2_tokenizer):
     tokenizer.chat_template = (TEMPLATES / "deepseek_r1.jinja").read_text()
     folder = build_tiny_model("llama-gqa-tied", tmp_path_factory.mktemp("reasoning"), tokenizer,
                               vocab_size=len(tokenizer))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, **GENERATION}))
     s = ServerProcess("--model", str(folder), "--reasoning-parser", "deepseek_r1", "--max-model-len", "256")
     yield s
     s.stop()
@@ -82,3 +85,17 @@ def test_without_a_bound_the_thinking_runs_to_max_tokens(server):
 def test_bad_thinking_fields_get_a_400_naming_them(server, body, param):
     r = chat(server, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_checkpoints_sampling_defaults_fill_what_a_request_leaves_out(server):
+    card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
+    assert card["sampling_defaults"] == {"temperature": 0.7, "top_k": 1, "max_tokens": 20}
+    body = {"messages": MESSAGES, "thinking_token_budget": 4, "seed": None}
+    answers = [httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json() for _ in range(3)]
+    assert all(a["usage"]["completion_tokens"] == 20 for a in answers)  # max_new_tokens
+    assert len({a["choices"][0]["message"]["content"] for a in answers}) == 1  # top_k 1: the same every call
+    greedy = chat(server, thinking_token_budget=4, max_tokens=20, skip_special_tokens=True).json()
+    assert greedy["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+    sampled = [chat(server, thinking_token_budget=4, top_k=0, temperature=1.0, max_tokens=20, seed=s).json()
+               for s in range(3)]  # a request's own values win
+    assert len({a["choices"][0]["message"]["content"] for a in sampled}) > 1
