@@ -17,11 +17,19 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import InvalidRequestError
 from server.async_engine import AsyncEngine
 from server.debug import add_debug_routes
 from server.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
+from server.responses import ResponsesServing
+from server.responses_protocol import ResponsesRequest
 from server.serving import OpenAIServing, ThinkingDefaults
 
 logger = logging.getLogger(__name__)
@@ -108,22 +116,6 @@ async def parse_body(raw: Request, model: type[ModelT], max_body_bytes: int) -> 
         raise validation_error(e) from None
 
 
-def validation_error(e: ValidationError) -> APIError:
-    """The first problem pydantic found, as a 400 naming the top-level field (a validator's own error names its
-    field itself)."""
-    error = e.errors()[0]
-    cause = (error.get("ctx") or {}).get("error")
-    if isinstance(cause, InvalidRequestError):
-        return APIError(400, str(cause), param=cause.param)
-    param = str(error["loc"][0]) if error["loc"] else None
-    where = ".".join(str(part) for part in error["loc"])
-    if error["type"] == "extra_forbidden":
-        message = f"unsupported parameter: '{where}' is not supported by this server"
-    else:
-        message = f"{where}: {error['msg']}" if where else error["msg"]
-    return APIError(400, message, param=param)
-
-
 class InternalErrorMiddleware:
     """Any exception a route did not turn into an error response: a 500 with OpenAI's error JSON, and the
     connection stays open for the client's next request. (Starlette's catch-all handler re-raises after
@@ -166,6 +158,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.add_middleware(InternalErrorMiddleware)
     serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser,
                             reasoning_parser, thinking, sampling_defaults)
+    responses = ResponsesServing(serving)
     app.state.engine = engine
     app.state.draining = False
     created = int(time.time())
@@ -221,6 +214,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(await parse_body(raw, ChatCompletionRequest, max_body_bytes), raw)
+
+    @app.post("/v1/responses", dependencies=[Depends(guard)])
+    async def create_response(raw: Request) -> Response:
+        return await responses.create(await parse_body(raw, ResponsesRequest, max_body_bytes), raw)
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(guard)])
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(raw: Request) -> JSONResponse:

@@ -7,7 +7,7 @@ import json
 import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -36,6 +36,22 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 naming the top-level field (a validator's own error names its
+    field itself)."""
+    error = e.errors()[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):
+        return APIError(400, str(cause), param=cause.param)
+    param = str(error["loc"][0]) if error["loc"] else None
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        message = f"unsupported parameter: '{where}' is not supported by this server"
+    else:
+        message = f"{where}: {error['msg']}" if where else error["msg"]
+    return APIError(400, message, param=param)
 
 
 class _Strict(BaseModel):

@@ -70,20 +70,20 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
                            param="model", code="model_not_found")
 
-    def _admit(self, num_choices: int) -> None:
+    def admit(self, num_choices: int) -> None:
         self.engine.check_serving()
         if self.engine.num_in_flight + num_choices > self.max_in_flight:
             raise APIError(429, f"the server is at capacity ({self.engine.num_in_flight} requests in flight); "
                                 "retry shortly", headers={"Retry-After": "1"})
 
-    def _validate(self, prompts: list[Prompt], params: SamplingParams) -> None:
+    def validate(self, prompts: list[Prompt], params: SamplingParams) -> None:
         for prompt in prompts:
             try:
                 self.engine.info.limits.validate(prompt.token_ids, params)
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=e.param) from None
 
-    async def _check_grammar(self, body: OpenAIRequest, params: SamplingParams) -> None:
+    async def check_grammar(self, body: OpenAIRequest, params: SamplingParams) -> None:
         """Parse the request's grammar here, off the event loop, so a bad one is a 400 before any stream starts
         (the engine compiles its token masks)."""
         if params.structured_outputs is None:
@@ -125,6 +125,14 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        prompt, params, reading = await self.prepare_chat(body)
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs, arrival,
+                                 reading=reading)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[Prompt, SamplingParams, ChatReading]:
+        """A chat request's prompt, sampling and way of reading its text (also the Responses API's, which is
+        turned into a chat request first)."""
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         try:
@@ -150,8 +158,7 @@ class OpenAIServing:
             params = dataclasses.replace(params, skip_special_tokens=False)  # a parser's tags may be special tokens
         reading = ChatReading(plan if plan.kind != "none" else None, reasoning, prompt.text or "",
                               body.include_reasoning)
-        return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs, arrival,
-                                 reading=reading)
+        return prompt, params, reading
 
     def _with_thinking(self, body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
         """The thinking markers and bounds for the engine, where a reasoning parser is on."""
@@ -177,11 +184,11 @@ class OpenAIServing:
         ``params.n`` samples of each prompt, answer with this many, those of the highest mean token logprob (best_of).
         ``arrival``: when the request came in (``time.monotonic()``), the start of its timeline. The response
         names its id in the body and in an ``X-Request-Id`` header (the key of ``/debug/requests/{id}``)."""
-        self._validate(prompts, params)
-        await self._check_grammar(body, params)
+        self.validate(prompts, params)
+        await self.check_grammar(body, params)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = self._choices(request_id, prompts, params)
-        self._admit(len(choices))
+        self.admit(len(choices))
         created = int(time.time())
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         header = {"id": request_id, "created": created, "model": self.served_model_name}
@@ -191,7 +198,7 @@ class OpenAIServing:
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": request_id})
-        states = sorted(await self._collect(choices, raw, arrival), key=lambda s: s.index)
+        states = sorted(await self.collect(choices, raw, arrival), key=lambda s: s.index)
         answered, n = states, params.n
         if keep is not None and keep < params.n:
             answered, n = _best_samples(states, params.n, keep), keep
@@ -217,7 +224,7 @@ class OpenAIServing:
         return JSONResponse({**header, "object": fmt.object, "choices": out_choices,
                              "usage": usage(num_prompt_tokens, states, params.n)}, headers={"X-Request-Id": request_id})
 
-    async def _collect(self, choices: list[Choice], raw: Request, arrival: float) -> list[RequestState]:
+    async def collect(self, choices: list[Choice], raw: Request, arrival: float) -> list[RequestState]:
         finished: dict[int, RequestState] = {}
 
         async def consume() -> None:

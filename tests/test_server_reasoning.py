@@ -99,3 +99,23 @@ def test_the_checkpoints_sampling_defaults_fill_what_a_request_leaves_out(server
     sampled = [chat(server, thinking_token_budget=4, top_k=0, temperature=1.0, max_tokens=20, seed=s).json()
                for s in range(3)]  # a request's own values win
     assert len({a["choices"][0]["message"]["content"] for a in sampled}) > 1
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(server):
+    body = {"input": MESSAGES[0]["content"], "temperature": 0, "max_output_tokens": 24, "thinking_token_budget": 5}
+    whole = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60).json()
+    chat_message = chat(server, thinking_token_budget=5, skip_special_tokens=True).json()["choices"][0]["message"]
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"][0]["text"] == chat_message["reasoning_content"]
+    assert whole["output"][1]["content"][0]["text"] == chat_message["content"]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    thinking = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thinking == chat_message["reasoning_content"]
+    assert events[-1]["type"] == "response.incomplete"  # max_output_tokens reached
+    final = events[-1]["response"]
+    assert [i["content"][0]["text"] for i in final["output"]] == [i["content"][0]["text"] for i in whole["output"]]
