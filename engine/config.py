@@ -115,6 +115,9 @@ class EngineConfig:
     # On a CPU in fp32, a small model keeps the fp32 panels of its compact ones (at most 1 GiB) for the steps of many
     # rows, where start-up times them faster (engine/backends/fp32_panels.py).
     fp32_panels: bool = True
+    # "auto": an embedding checkpoint is served as one (engine/pooling.py), any other generates; "pooling" or
+    # "generate" force the choice (vLLM's --runner)
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -123,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"gemm_kernels must be auto, c or onednn, got {self.gemm_kernels!r}")
         if self.quantized_matmul not in ("auto", "exact", "int8"):
             raise ValueError(f"quantized_matmul must be auto, exact or int8, got {self.quantized_matmul!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if self.tensor_parallel_size < 1:

@@ -28,6 +28,8 @@ from engine.models import load_model
 from engine.models.llama import head_dim_of
 from engine.models.moe import token_flops
 from engine.outputs import EngineCoreOutput, EngineStats, ModelRunnerOutput, StepCounters
+from engine.pooler import Pooler
+from engine.pooling import pooling_spec
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -35,7 +37,7 @@ from engine.spec_decode import NgramProposer
 from engine.start_up import burst_room, probe_room, size_cpu_token_budget, warm_up_bursts
 from engine.structured_output import Grammar, GrammarCompiler, check_grammar
 from engine.tensor_parallel import Shard
-from engine.thinking import ThinkingState
+from engine.thinking import StepTimes, ThinkingState
 from engine.timeline import Timelines
 from engine.tp_workers import TPWorkers
 
@@ -62,6 +64,7 @@ class EngineCore:
         self._tokenizer = functools.cache(functools.partial(load_tokenizer, files))
         self.eos_token_ids = eos_token_ids(files, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
+        self.pooling = pooling_spec(files, self.hf_config, config.runner)  # None: the model generates
         self.grammars = GrammarCompiler(self._tokenizer, self.vocab_size, self.eos_token_ids)
         # Requests whose grammar is compiling, in arrival order: the scheduler sees them once it is ready.
         self._compiling: dict[str, tuple[Request, futures.Future[Grammar]]] = {}
@@ -70,6 +73,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config, self.device, self.hf_config)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device)
         tp = config.tensor_parallel_size
+        if tp > 1 and self.pooling is not None:
+            raise ValueError("an embedding model runs on one rank: tensor_parallel_size must be 1")
         shard = Shard(0, tp, self.hf_config) if tp > 1 else None  # checks the split before any process starts
         self.backend = select_backend(config, self.device, self.dtype)
         self.backend.check_shapes(config.block_size, head_dim_of(self.hf_config))
@@ -80,7 +85,7 @@ class EngineCore:
             if shard else None
         try:
             self.model = load_model(files, self.hf_config, self.max_model_len, self.backend, self.device, self.dtype,
-                                    shard, self.tp_workers and self.tp_workers.all_reduce)
+                                    shard, self.tp_workers and self.tp_workers.all_reduce, self.pooling is not None)
             if self.tp_workers is not None:
                 self.tp_workers.wait_ready()
         except BaseException:
@@ -100,7 +105,9 @@ class EngineCore:
         if self.tp_workers is not None:
             self.tp_workers.allocate(self.kv_cache.num_blocks)
         logger.info(self.kv_cache.describe())
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        # NOTE: an embedding's pooling reads every prompt token's hidden state: no prefix is skipped
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          config.enable_prefix_caching and self.pooling is None)
         self.limits = EngineLimits(self.max_model_len, self.vocab_size, config.block_size, self.kv_cache.num_blocks)
         self.max_num_batched_tokens = (config.max_num_batched_tokens
                                        or self.backend.max_num_batched_tokens(self.max_model_len))
@@ -112,7 +119,8 @@ class EngineCore:
         self.counters = StepCounters()
         self.timelines: Timelines | None = None  # made once warmed up: the start-up's made-up prompts are not kept
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.backend, self.vocab_size, config.max_num_seqs,
-                                        self.max_model_len, self.tp_workers)
+                                        self.max_model_len, self.tp_workers,
+                                        Pooler(self.pooling) if self.pooling is not None else None)
         # NOTE: before the warm-up's workspace is measured: the timings' buffers (the screen's cache flush) are no
         # step's workspace
         self.kernel_plan = self.kernel_plan.with_rows(plan_kernels(self.backend))
@@ -130,6 +138,7 @@ class EngineCore:
             self.kernel_plan = self.kernel_plan.with_rows(plan_kernels(self.backend))
             self.backend.after_start_up()
             logger.info("kernel plan, timed again once started:\n%s", self.kernel_plan.table())
+        self.scheduler.step_times = StepTimes()  # the start-up's steps are no load
         self.backend.started()
 
     @property
@@ -299,7 +308,7 @@ class EngineCore:
                 self.timelines.stepped(scheduled, *_monotonic(scheduled_at, executed_at))
             outputs += self.scheduler.update_from_output(scheduled, result)
             self._count_step(scheduled, result, scheduled_at - start, time.perf_counter() - executed_at)
-            self.scheduler.step_times.observe(time.perf_counter() - start)
+        self.scheduler.step_times.stepped(start, not scheduled.is_empty, self.has_unfinished_requests())
         if self.timelines is not None:
             self.timelines.produced(outputs)
         return outputs

@@ -51,6 +51,7 @@ def engine_info(engine: EngineCore) -> EngineInfo:
         kernel_plan=tuple(engine.kernel_plan.as_dict()),
         kernel_plan_labels=engine.kernel_plan.labels(),
         request_timelines=engine.config.request_timelines,
+        pooling=engine.pooling,
     )
 
 

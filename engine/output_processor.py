@@ -31,6 +31,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # an embedding model's vector
 
     @property
     def finished(self) -> bool:
@@ -77,6 +78,8 @@ class OutputProcessor:
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
         state.num_cached_tokens = output.num_cached_tokens
+        if output.pooled is not None:
+            state.pooled = output.pooled
         stopped = False
         # The core stops only on a stop token (EOS, stop_token_ids, or a grammar's end), the last one here. Like a
         # stop string, its text is left out unless include_stop_str_in_output: it shows with skip_special_tokens

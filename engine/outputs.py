@@ -75,6 +75,8 @@ class ModelRunnerOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     num_logit_rows: int = 0
+    # An embedding model's vectors, of the requests whose prompts this step finished (engine/pooler.py)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 
@@ -93,6 +95,7 @@ class EngineCoreOutput:
     queue_time: float | None = None  # seconds from arrival in the engine to the first step; with the first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     error: str | None = None  # why it could not be served (finish_reason "abort", no tokens): for the user
+    pooled: list[float] | None = None  # an embedding model's vector, with the request's end
 
     @property
     def finished(self) -> bool:

@@ -303,6 +303,7 @@ class Scheduler:
                 request.prompt_logprobs.extend(entries)
                 request.num_prompt_logprobs_done += len(entries)
             token_ids = result.sampled_token_ids.get(request_id)
+            pooled = result.pooled.get(request_id)
             num_before = request.num_output_tokens
             num_drafts = len(output.spec_token_ids.get(request_id, ()))
             if num_drafts:
@@ -320,10 +321,12 @@ class Scheduler:
             assert status is not None or num_computed <= request.num_tokens
             request.num_computed_tokens = min(num_computed, request.num_tokens)  # tokens after a stop were dropped
             self.block_manager.cache_full_blocks(request)
+            if pooled is not None:  # an embedding: the prompt was all there was to compute
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(request, status)
-            if token_ids is not None:
-                outputs.append(_core_output(request, num_before, result.logprobs.get(request_id)))
+            if token_ids is not None or pooled is not None:
+                outputs.append(_core_output(request, num_before, result.logprobs.get(request_id), pooled))
         if self.proposer is not None:
             self.proposer.propose(self.running)
         return outputs
@@ -348,7 +351,8 @@ class Scheduler:
         return None
 
 
-def _core_output(request: Request, num_before: int, logprobs: PositionLogprobs | None) -> EngineCoreOutput:
+def _core_output(request: Request, num_before: int, logprobs: PositionLogprobs | None,
+                 pooled: list[float] | None = None) -> EngineCoreOutput:
     """What a step produced for ``request``, which had ``num_before`` output tokens before it."""
     first = num_before == 0
     return EngineCoreOutput(
@@ -361,4 +365,5 @@ def _core_output(request: Request, num_before: int, logprobs: PositionLogprobs |
         num_prompt_tokens=request.num_prompt_tokens,
         queue_time=request.first_scheduled_time - request.arrival_time if first else None,
         num_cached_tokens=request.num_cached_tokens,
+        pooled=pooled,
     )

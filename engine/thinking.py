@@ -5,9 +5,11 @@ Why in the engine: a bound on thinking is kept by choosing tokens, which only th
 reaches its token budget, or its deadline comes within reach, the sampler is told to emit the end marker's tokens
 one step each (every other logit set to -inf), and the first answer token after a forced close may not end the
 request, so a bounded request always answers. A deadline becomes a token budget live: the marker's remaining tokens
-are forced once ``now + (remaining + 1) x step time`` reaches it, the step time being the slowest of the engine's
-recent steps (``StepTimes``), so it follows the load (a 2-core CPU's step takes several times as long at 16 streams
-as at one). A grammar (structured outputs, tool calls) holds the answer only: the thinking is free text.
+are forced once ``now + (remaining + 2) x step time + DELIVERY_S`` reaches it (the marker, the answer's first token,
+a step of margin and the trip to the client), the step time being the longest step period of the last ``RECENT_S``
+(``StepTimes``: from one step's start to the next, the loop's own work included), so it follows the load (a 2-core
+CPU's step takes several times as long at 16 streams as at one). A grammar (structured outputs, tool calls) holds
+the answer only: the thinking is free text.
 
 Phases: a prompt that opens a thinking block it does not close (DeepSeek-R1's and Qwen3-Thinking's templates end in
 ``<think>``) starts THINKING; one that closes its last block (Qwen3 with ``enable_thinking`` off) starts ANSWER;
@@ -19,10 +21,14 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 
 from engine.sampling_params import ThinkingParams
 
-RECENT_STEPS = 16  # the step time a deadline plans with is the slowest of this many recent steps
+RECENT_S = 2.0  # the step time a deadline plans with is the longest step period of this many recent seconds
+# Time a token takes from the engine to the client (the pipe, the API process, HTTP): measured on the default model
+# at 1 and 16 clients, tens of ms (loadtest/thinking_deadline.py)
+DELIVERY_S = 0.05
 
 
 class Phase(enum.Enum):
@@ -113,7 +119,7 @@ class ThinkingState:
             p = self.params
             remaining = len(p.end_ids) - self._matched_end()
             over_budget = p.max_tokens is not None and self.num_thinking_tokens - self._matched_end() >= p.max_tokens
-            late = self.deadline is not None and now + (remaining + 1) * step_s >= self.deadline
+            late = self.deadline is not None and now + (remaining + 2) * step_s + DELIVERY_S >= self.deadline
             if not (over_budget or late):
                 return None
             self._forcing = self.forced_end = True
@@ -129,14 +135,26 @@ class ThinkingState:
 
 
 class StepTimes:
-    """The engine's recent step times: a deadline plans with the slowest of the last ``RECENT_STEPS``."""
+    """The engine's recent step periods: a deadline plans with the longest of the last ``RECENT_S`` seconds (a window
+    in time, not in steps: it holds the prompts that joined the batch lately, whose steps run long, at any load)."""
 
     def __init__(self, initial_s: float = 0.05) -> None:
-        self._recent: collections.deque[float] = collections.deque([initial_s], maxlen=RECENT_STEPS)
+        self._recent: collections.deque[tuple[float, float]] = collections.deque([(0.0, initial_s)])
+        self._busy_start: float | None = None  # a busy step's start, whose period the next step's start ends
 
-    def observe(self, seconds: float) -> None:
-        self._recent.append(seconds)
+    def stepped(self, start: float, busy: bool, more: bool) -> None:
+        """A step began at ``start`` (``time.perf_counter()``), computed something (``busy``) and left requests to
+        run (``more``): a period is measured between busy steps only, never across an idle wait."""
+        if busy and self._busy_start is not None:
+            self.observe(start - self._busy_start)
+        self._busy_start = start if busy and more else None
+
+    def observe(self, seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._recent.append((now, seconds))
+        while len(self._recent) > 1 and self._recent[0][0] < now - RECENT_S:
+            self._recent.popleft()
 
     @property
     def step_s(self) -> float:
-        return max(self._recent)
+        return max(seconds for _, seconds in self._recent)

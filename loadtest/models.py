@@ -4,6 +4,7 @@ with no download. The files go to a cache folder (``$HARPOON_CACHE/random-models
     python -m loadtest.models --shape llama-3.2-1b --quant q4_k_m      # prints the file's path
     python -m loadtest.models --shape llama-3.1-8b --quant q8_0 --out /data/llama8b-q8.gguf
     python -m loadtest.models --shape llama-3.2-1b --quant bf16       # a Hugging Face folder of bf16 safetensors
+    python -m loadtest.models --shape qwen3-embedding-0.6b --quant bf16   # an embedding model's folder
 
 The quantized blocks are written directly, with random bits and scales chosen so the weights come out around +/-0.05
 (gguf-py quantizes Q8_0 and Q4_0 from floats but has no K-quant quantizer, and quantizing 8B floats would need their
@@ -13,7 +14,8 @@ layers and every third layer between; ``q5_k_m`` likewise, with Q5_K for Q4_K. T
 SmolLM2's (BPE, its merges and chat template), its token list padded up to the shape's vocabulary with plain
 tokens and, last, 256 reserved special tokens, as Llama 3's ends. ``bf16`` writes a Hugging Face folder instead
 (config, the same tokenizer, weights of N(0, 0.02) in bf16 safetensors, one shard a layer so that no more than a
-layer is ever in memory).
+layer is ever in memory); an embedding shape's folder is a ``Qwen3Model`` without an LM head, with the
+sentence-transformers files Qwen3-Embedding ships (last-token pooling, then normalized).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Shape:
     experts: int = 0  # a mixture of experts: E experts in every layer, k used a token, each of width expert_ff
     experts_used: int = 0
     expert_ff: int = 0
+    embedding: bool = False  # an embedding model: a base model without an LM head (bf16 folders only)
 
     @property
     def head_size(self) -> int:
@@ -62,6 +65,8 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 500000.0, 131072, tied=True),
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 500000.0, 131072, tied=False),
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0, 32768, tied=False, qkv_bias=True),
+    "qwen3-embedding-0.6b": Shape("qwen3", 1024, 3072, 28, 16, 8, 151669, 1000000.0, 32768, tied=True, head_dim=128,
+                                  qk_norm=True, embedding=True),
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 6144, 48, 32, 4, 151936, 1000000.0, 40960, tied=False, head_dim=128,
                            qk_norm=True, experts=128, experts_used=8, expert_ff=768),
 }
@@ -253,16 +258,19 @@ def _tensors(shape: Shape, quant: str, rng: np.random.Generator) -> list[tuple[s
 
 def _hf_tensors(shape: Shape, layer: int | None) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes of one layer's tensors, or (None) of those outside the layers."""
+    prefix = "" if shape.embedding else "model."  # a base model's names (Qwen3-Embedding's) have none
     if layer is None:
-        names = {"model.embed_tokens.weight": (shape.vocab, shape.hidden), "model.norm.weight": (shape.hidden,)}
+        names = {f"{prefix}embed_tokens.weight": (shape.vocab, shape.hidden), f"{prefix}norm.weight": (shape.hidden,)}
         if not shape.tied:
             names["lm_head.weight"] = (shape.vocab, shape.hidden)
         return names
-    p, dims = f"model.layers.{layer}.", _projection_dims(shape)
+    p, dims = f"{prefix}layers.{layer}.", _projection_dims(shape)
     names = {p + "input_layernorm.weight": (shape.hidden,), p + "post_attention_layernorm.weight": (shape.hidden,)}
     names.update({f"{p}{hf}.weight": dims[gguf] for gguf, hf in _PROJECTIONS})
     if shape.qkv_bias:
         names.update({f"{p}{hf}.bias": dims[gguf][:1] for gguf, hf in _PROJECTIONS[:3]})
+    if shape.qk_norm:
+        names.update({f"{p}self_attn.{n}_norm.weight": (shape.head_size,) for n in "qk"})
     return names
 
 
@@ -287,13 +295,17 @@ def write_hf_bf16(shape: Shape, out: Path, seed: int = 0) -> Path:
             weight_map[name] = shard
         save_file(tensors, str(tmp / shard))
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}[shape.arch]
+    arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3")}[shape.arch]
+    if shape.embedding:
+        arch = ("Qwen3Model", "qwen3")
+        _sentence_transformers_files(tmp, shape.hidden)
     config = {"architectures": [arch[0]], "model_type": arch[1], "hidden_size": shape.hidden,
               "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
               "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
               "rope_theta": shape.rope_theta, "max_position_embeddings": shape.context, "rms_norm_eps": 1e-5,
               "tie_word_embeddings": shape.tied, "torch_dtype": "bfloat16", "hidden_act": "silu",
-              "bos_token_id": 1, "eos_token_id": 2}
+              "bos_token_id": 1, "eos_token_id": 2, "head_dim": shape.head_size}
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer = gguf_to_folder(default_gguf_path())
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -301,6 +313,19 @@ def write_hf_bf16(shape: Shape, out: Path, seed: int = 0) -> Path:
             (tmp / name).write_bytes((tokenizer / name).read_bytes())
     tmp.rename(out)
     return out
+
+
+def _sentence_transformers_files(folder: Path, hidden: int) -> None:
+    """Qwen3-Embedding's module files: the transformer, last-token pooling, normalization."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=1))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": True}, indent=1))
+    (folder / "2_Normalize").mkdir(exist_ok=True)
 
 
 def cached_model(shape_name: str, quant: str, seed: int = 0) -> Path:

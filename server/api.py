@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.async_engine import AsyncEngine
 from server.debug import add_debug_routes
+from server.embeddings import EmbeddingRequest, EmbeddingServing
 from server.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH
 from server.protocol import (
     APIError,
@@ -159,6 +160,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     serving = OpenAIServing(engine, engine.tokenizer, served_model_name, max_waiting_requests, tool_call_parser,
                             reasoning_parser, thinking, sampling_defaults)
     responses = ResponsesServing(serving)
+    embeddings = EmbeddingServing(serving)
     app.state.engine = engine
     app.state.draining = False
     created = int(time.time())
@@ -222,6 +224,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(guard)])
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve(response_id))
+
+    @app.post("/v1/embeddings", dependencies=[Depends(guard)])
+    async def create_embeddings(raw: Request) -> Response:
+        return await embeddings.create(await parse_body(raw, EmbeddingRequest, max_body_bytes), raw)
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(raw: Request) -> JSONResponse:

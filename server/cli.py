@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--thinking-deadline-ms", type=float, default=None,
                         help="with --reasoning-parser: milliseconds from arrival by which thinking is closed where a "
                              "request sets no thinking_deadline_ms")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling values for the fields a request leaves out: 'auto' (the model's "
                              "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -80,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default {DEFAULT_CAPACITY})")
     add_engine_arguments(parser)
     return parser
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the file it names, or the template itself (vLLM's rule)."""
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
 
 
 def _byte_size(text: str) -> int:
@@ -154,6 +163,8 @@ async def serve(args: argparse.Namespace, engine_args: dict) -> None:
     except BaseException:
         await client.shutdown()
         raise
+    if args.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(args.chat_template)
     name = args.served_model_name or files.name
     engine = AsyncEngine(client, tokenizer, Metrics(name), stall_timeout=args.health_stall_timeout)
     auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None

@@ -189,6 +189,7 @@ class ResponsesServing:
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.chat.check_model(body.model)
+        self.chat.check_generative()
         history: list[dict] = []
         if body.previous_response_id is not None:
             stored = self.stored.get(body.previous_response_id)

@@ -70,6 +70,11 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
                            param="model", code="model_not_found")
 
+    def check_generative(self) -> None:
+        if self.engine.info.pooling is not None:
+            raise APIError(400, "this server's model is an embedding model: it answers /v1/embeddings only",
+                           param="model")
+
     def admit(self, num_choices: int) -> None:
         self.engine.check_serving()
         if self.engine.num_in_flight + num_choices > self.max_in_flight:
@@ -113,6 +118,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self.check_generative()
         prompts = await self.prompts.completion_prompts(body)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
@@ -125,6 +131,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self.check_generative()
         prompt, params, reading = await self.prepare_chat(body)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await self._serve(body, raw, "chatcmpl", [prompt], params, self.chat_format, num_logprobs, arrival,

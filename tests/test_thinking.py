@@ -8,7 +8,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, ThinkingParams
-from engine.thinking import Phase, StepTimes, ThinkingState
+from engine.thinking import DELIVERY_S, RECENT_S, Phase, StepTimes, ThinkingState
 
 START, END = 300, 301  # the tiny models' vocabulary is 512 tokens: any two serve as markers
 PROMPT = [1, 17, 45, 99, 250, 7]
@@ -49,12 +49,15 @@ def test_multi_token_markers_count_and_force_from_where_the_model_is():
 
 def test_a_deadline_forces_the_close_when_the_steps_left_reach_it():
     state = ThinkingState(ThinkingParams((START,), (END,), deadline_ms=1000), [START], arrival_time=100.0)
-    assert state.forced_token(now=100.5, step_s=0.2) is None  # 0.5 + 2 steps of 0.2 s < 1 s
-    assert state.forced_token(now=100.61, step_s=0.2) == END
+    # the marker, the answer's first token and a step of margin (0.6 s), and the trip to the client (DELIVERY_S)
+    assert state.forced_token(now=100.4 - DELIVERY_S - 0.01, step_s=0.2) is None
+    assert state.forced_token(now=100.4 - DELIVERY_S + 0.01, step_s=0.2) == END
     times = StepTimes()
-    for s in (0.01, 0.3, 0.02):
-        times.observe(s)
-    assert times.step_s == 0.3  # the slowest recent step
+    for now, s in ((10.0, 0.01), (10.5, 0.3), (11.0, 0.02)):
+        times.observe(s, now)
+    assert times.step_s == 0.3  # the slowest recent period
+    times.observe(0.02, 10.5 + RECENT_S + 0.1)
+    assert times.step_s == 0.02  # out of the window
 
 
 @pytest.fixture(scope="module")

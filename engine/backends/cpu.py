@@ -236,7 +236,7 @@ class CpuBackend(TorchBackend):
             head = kernels[model.lm_head].packed
         else:
             head = self._pack_linear("lm_head", model.lm_head, pack if bf16 else pack_head)
-        model.lm_head.kernel = PackedLinear(head, vocab, self.int8_activations)
+        model.lm_head.kernel = PackedLinear(head, model.lm_head.out_features, self.int8_activations)
         # NOTE: the lookups read the LM head's panels where it is tied (the same values), or the embedding's own
         # compact panels where it has such; either way the row-major table is freed (113 MB for SmolLM2-135M in fp32).
         embed, rounded_to = model.embed_tokens, None
@@ -253,6 +253,19 @@ class CpuBackend(TorchBackend):
             embed.kernel, embed.quantized = PackedEmbedding(lookup, vocab, rounded_to), None
             embed.weight = torch.nn.Parameter(embed.weight.new_empty(0, embed.embedding_dim, device="cpu"),
                                               requires_grad=False)
+        if not model.pooling:  # an embedding model's head is a stand-in: no token is ever chosen
+            self._attach_greedy_heads(model, head, vocab)
+        if not bf16 and self.config.fp32_panels:
+            self.wide_rows, row = fp32_panels.attach(model, self._free_memory())
+            self.wide_bytes = fp32_panels.held_bytes(model)
+            self._packing_rows += [row] if row is not None else []
+        self._model = model
+        self.use_plan()
+        if model.sparse:
+            logger.info("a token reads %.0f MiB of the packed weights (its experts' share of the experts: top_k of "
+                        "each layer's, at their average size)", token_weight_bytes(model) / 2**20)
+
+    def _attach_greedy_heads(self, model: LlamaForCausalLM, head: torch.Tensor, vocab: int) -> None:
         if head.dtype == torch.float32 and head.shape[1] % 4 == 0 and model.lm_head.bias is None:
             self.greedy_head = ScreenedGreedyHead(head, vocab)
         elif (head.dtype == torch.int8 and model.lm_head.bias is None
@@ -263,15 +276,6 @@ class CpuBackend(TorchBackend):
         if (isinstance(kernel, PackedLinear) and model.lm_head.bias is None and not kernel.int8_activations
                 and cpu_kernels.argmax_linear(probe, kernel.packed, vocab, body=self.body) is not None):
             self.argmax_head = kernel
-        if not bf16 and self.config.fp32_panels:
-            self.wide_rows, row = fp32_panels.attach(model, self._free_memory())
-            self.wide_bytes = fp32_panels.held_bytes(model)
-            self._packing_rows += [row] if row is not None else []
-        self._model = model
-        self.use_plan()
-        if model.sparse:
-            logger.info("a token reads %.0f MiB of the packed weights (its experts' share of the experts: top_k of "
-                        "each layer's, at their average size)", token_weight_bytes(model) / 2**20)
 
     def _widened_kernels(self, model: LlamaForCausalLM,
                          blocks: dict[Linear, Blocks]) -> dict[Linear, PackedLinear | SplitLinear]:

@@ -47,28 +47,35 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(
         LlamaForCausalLM, lambda c: replace(qwen3_variant(c), moe=qwen_moe(c, shared=False))),
     "MixtralForCausalLM": Architecture(LlamaForCausalLM, lambda c: replace(llama_variant(c), moe=mixtral_moe(c))),
+    # base models without an LM head, as embedding checkpoints name them (engine/pooling.py)
+    "LlamaModel": Architecture(LlamaForCausalLM, llama_variant),
+    "MistralModel": Architecture(LlamaForCausalLM, llama_variant),
+    "Qwen2Model": Architecture(LlamaForCausalLM, qwen2_variant),
+    "Qwen3Model": Architecture(LlamaForCausalLM, qwen3_variant),
 }
 
 
-def build_model(config: PretrainedConfig, max_position: int, make_attention: AttentionFactory) -> LlamaForCausalLM:
-    """The model ``config`` describes, with random weights (load them next), on the default device."""
+def build_model(config: PretrainedConfig, max_position: int, make_attention: AttentionFactory,
+                pooling: bool = False) -> LlamaForCausalLM:
+    """The model ``config`` describes, with random weights (load them next), on the default device; ``pooling``: an
+    embedding model's (its hidden states are the output)."""
     name = (config.architectures or ["LlamaForCausalLM"])[0]
     arch = ARCHITECTURES.get(name)
     if arch is None:
         raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    return arch.model_class(config, arch.variant(config), max_position, make_attention)
+    return arch.model_class(config, arch.variant(config), max_position, make_attention, pooling)
 
 
 def load_model(files: ModelFiles, config: PretrainedConfig, max_position: int, backend: TorchBackend,
                device: torch.device, dtype: torch.dtype, shard: Shard | None = None,
-               all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+               all_reduce: AllReduce | None = None, pooling: bool = False) -> LlamaForCausalLM:
     """The model of ``files`` (``config``: the whole model's) with its weights in ``dtype`` on ``device`` and packed
     by ``backend``; under tensor parallelism only ``shard``'s part, its input-split projections summed by
     ``all_reduce``. Parameters are made in the dtype, so no fp32 copy of a bf16 checkpoint is ever made."""
     from engine.model_loader import iter_weights
 
     with torch.device(device), _default_dtype(dtype):
-        model = build_model(shard.model_config() if shard else config, max_position, backend.make_attention)
+        model = build_model(shard.model_config() if shard else config, max_position, backend.make_attention, pooling)
     # Mixtral's names made Qwen's, and a stacked experts tensor each expert's views, before any shard is cut
     weights = (named for pair in iter_weights(files, config) for named in checkpoint_names(*pair))
     model.load_weights(shard.weights(weights) if shard else weights, lazy=backend.lazy_weights)

@@ -191,9 +191,12 @@ class LlamaForCausalLM(nn.Module):
     Pure layers: which kernels run them is the backend's business (``engine/backends``)."""
 
     def __init__(self, config: PretrainedConfig, variant: DecoderVariant, max_position: int,
-                 make_attention: AttentionFactory) -> None:
+                 make_attention: AttentionFactory, pooling: bool = False) -> None:
+        """``pooling``: an embedding model's, whose hidden states are the output: the LM head is a one-row stand-in
+        (a checkpoint may have none; a packed copy of the vocabulary's would be memory for nothing)."""
         super().__init__()
         self.config = config
+        self.pooling = pooling
         # where and in what dtype the weights are made when loaded (they start on the meta device: linear.py)
         self.weight_device, self.weight_dtype = torch.get_default_device(), torch.get_default_dtype()
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
@@ -202,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, variant, self.rotary, make_attention, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and not pooling
+        self.lm_head = Linear(config.hidden_size, 1 if pooling else config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -244,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         lazy = lazy and self.weight_device.type == "cpu"
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            if "rotary_emb" in name or ((self.tie_word_embeddings or self.pooling) and name == "lm_head.weight"):
                 continue
             parts = name.split(".")
             fused = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
@@ -286,6 +289,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint mixes quantized and dense shards of {sorted(pending)[:3]}")
         if self.tie_word_embeddings:
             self.lm_head.quantized = self.embed_tokens.quantized
+        if self.pooling:
+            self._materialized(params, "lm_head.weight").data.zero_()
+            loaded.add("lm_head.weight")
         expected = set()
         for name in params:
             target = name.split(".")[-2]
