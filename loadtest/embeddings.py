@@ -3,11 +3,13 @@ in one process, on the same machine, one after the other.
 
     python -m loadtest.embeddings [--model FOLDER] [--clients 16] [--requests 256] [--tokens 128]
 
-The model is the random-weight Qwen3-Embedding-0.6B shape from loadtest/models.py unless ``--model`` names another
-folder with sentence-transformers files; both sides run it in fp32 on the same texts, each ``--tokens`` tokens long
-(the same tokenizer on both sides). sentence-transformers encodes them in batches of each of ``--batch-sizes``, its
-best kept; Harpoon serves one text a request from ``--clients`` clients. Prints sequences/s of both and the ratio,
-and checks that the vectors agree (cosine).
+The model is the random-weight Qwen3-Embedding-0.6B shape from loadtest/models.py (bf16 safetensors) unless
+``--model`` names another folder with sentence-transformers files; both sides encode the same texts, each
+``--tokens`` tokens long (the same tokenizer on both sides). sentence-transformers runs as it loads by default (the
+checkpoint's dtype) and in fp32, in batches of each of ``--batch-sizes``, its best kept (on ``--st-texts`` of the
+texts: its rate is per sequence); Harpoon serves one text a request from ``--clients`` clients in its default dtype
+(``auto``: on a CPU, bf16 only where bf16 products measured faster). Prints sequences/s of each and the ratios, and
+checks that the vectors agree (cosine against the fp32 run).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ def texts_of(tokenizer: object, num: int, num_tokens: int, seed: int = 0) -> lis
     return texts
 
 
-def sentence_transformers_rate(folder: Path, texts: list[str], batch_sizes: list[int]) -> tuple[float, int, list]:
+def sentence_transformers_rate(folder: Path, texts: list[str], batch_sizes: list[int], dtype: str
+                               ) -> tuple[float, int, list]:
     """The best sequences/s of sentence-transformers' ``encode`` over the batch sizes, that batch size, and its
-    vectors."""
+    vectors; ``dtype``: "auto" (as it loads by default) or "float32"."""
     import torch
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(folder), device="cpu", model_kwargs={"dtype": torch.float32})
+    kwargs = {"model_kwargs": {"dtype": torch.float32}} if dtype == "float32" else {}
+    model = SentenceTransformer(str(folder), device="cpu", **kwargs)
     model.encode(texts[:8], batch_size=8)  # warm up
     best = (0.0, 0, [])
     for batch in batch_sizes:
@@ -90,9 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--st-texts", type=int, default=32, help="0: Harpoon alone")
+    parser.add_argument("--server-args", default="", help="more flags for harpoon serve")
     parser.add_argument("--port", type=int, default=8733)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -100,26 +106,37 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     texts = texts_of(AutoTokenizer.from_pretrained(folder), args.requests, args.tokens)
-    st_rate, st_batch, st_vectors = sentence_transformers_rate(folder, texts, args.batch_sizes)
+    st_texts = texts[: args.st_texts]
+    st_rate, st_batch, st_vectors, default_rate, default_batch = float("nan"), 0, [], float("nan"), 0
+    if st_texts:
+        st_rate, st_batch, st_vectors = sentence_transformers_rate(folder, st_texts, args.batch_sizes, "float32")
+        default_rate, default_batch, _ = sentence_transformers_rate(folder, st_texts, args.batch_sizes[:1], "auto")
     log = Path("/tmp/harpoon-embeddings.log")
-    proc = start([sys.executable, "-m", "server", "--model", str(folder), "--port", str(args.port), "--dtype",
-                  "float32", "--max-num-seqs", str(args.clients), "--max-model-len", "2048"], log)
+    proc = start([sys.executable, "-m", "server", "--model", str(folder), "--port", str(args.port),
+                  "--max-num-seqs", str(args.clients), "--max-model-len", "2048", *args.server_args.split()], log)
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_healthy(url, proc, log)
         rate, vectors = asyncio.run(harpoon_rate(url, texts, args.clients))
     finally:
         stop([proc])
-    ours, theirs = np.asarray(vectors), np.asarray(st_vectors)
-    cosine = (ours * theirs).sum(axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(theirs, axis=1))
+    serving = next((line for line in log.read_text().splitlines() if " serving " in line), "")
+    served_dtype = "bfloat16" if "bfloat16" in serving else "float32"
+    ours, theirs = np.asarray(vectors[: len(st_vectors)]), np.asarray(st_vectors)
+    cosine = (ours * theirs).sum(axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(theirs, axis=1)) \
+        if st_texts else np.array([float("nan")])
     result = {"model": str(folder), "tokens": args.tokens, "requests": args.requests, "clients": args.clients,
-              "harpoon_seq_s": rate, "sentence_transformers_seq_s": st_rate, "st_batch_size": st_batch,
-              "ratio": rate / st_rate, "min_cosine": float(cosine.min()), "isa": isa(), "machine": machine()}
-    print(f"{args.requests} texts of {args.tokens} tokens, fp32, {isa()}")
-    print("| server | sequences/s |\n|---|---:|")
-    print(f"| Harpoon /v1/embeddings, c{args.clients} | {rate:.1f} |")
-    print(f"| sentence-transformers encode, batch {st_batch}, one process | {st_rate:.1f} |")
-    print(f"ratio {rate / st_rate:.2f}x; vectors agree to cosine >= {cosine.min():.6f}")
+              "harpoon_dtype": served_dtype, "harpoon_seq_s": rate, "st_fp32_seq_s": st_rate, "st_fp32_batch": st_batch,
+              "st_default_seq_s": default_rate, "st_default_batch": default_batch,
+              "min_cosine": float(cosine.min()), "isa": isa(), "machine": machine()}
+    print(f"texts of {args.tokens} tokens ({args.requests} to Harpoon, {len(st_texts)} to sentence-transformers), "
+          f"{isa()}")
+    print("| engine | sequences/s | Harpoon's ratio |\n|---|---:|---:|")
+    print(f"| Harpoon /v1/embeddings, c{args.clients}, {served_dtype} (default) | {rate:.2f} | |")
+    print(f"| sentence-transformers, default (checkpoint dtype), batch {default_batch} | {default_rate:.2f} | "
+          f"{rate / default_rate:.2f}x |")
+    print(f"| sentence-transformers, float32, batch {st_batch} | {st_rate:.2f} | {rate / st_rate:.2f}x |")
+    print(f"vectors agree with the fp32 run to cosine >= {cosine.min():.6f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

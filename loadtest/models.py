@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, PoolingType, TokenType
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.gguf_reader import FastGGUFReader
@@ -181,8 +181,10 @@ def _tokenizer(writer: GGUFWriter, vocab: int) -> None:
     writer.add_chat_template(field("tokenizer.chat_template"))
 
 
-def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = "") -> Path:
-    """The GGUF file, its tensors made and written one at a time (a 30B-A3B file's 17 GiB never in memory)."""
+def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = "",
+                pooling_type: int | None = None) -> Path:
+    """The GGUF file, its tensors made and written one at a time (a 30B-A3B file's 17 GiB never in memory).
+    ``pooling_type``: an embedding model's, as llama.cpp numbers them (1 mean, 2 CLS, 3 last token)."""
     rng = np.random.default_rng(seed)
     tmp = out.with_suffix(".partial")
     writer = GGUFWriter(tmp, shape.arch)
@@ -204,6 +206,8 @@ def write_model(shape: Shape, quant: str, out: Path, seed: int = 0, name: str = 
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_ff)
     writer.add_vocab_size(shape.vocab)
+    if pooling_type is not None:
+        writer.add_pooling_type(PoolingType(pooling_type))
     writer.add_file_type({"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M}.get(
         quant, LlamaFileType.MOSTLY_Q8_0))
     _tokenizer(writer, shape.vocab)

@@ -87,6 +87,24 @@ def test_a_causal_lm_served_as_an_embedding_model(tmp_path, smollm2_tokenizer):
     assert_close(forced.embed(PROMPTS[:2]), reference(folder, PROMPTS[:2], "last", True))  # last token, normalized
 
 
+def test_a_gguf_embedding_model_pools_as_its_metadata_says(tmp_path):
+    from transformers import AutoModel
+
+    from engine.model_loader import gguf_to_folder
+    from loadtest.models import Shape, write_model
+
+    shape = Shape("llama", 128, 256, 2, 4, 2, 49160, 10000.0, 512, tied=True)
+    path = write_model(shape, "q8_0", tmp_path / "embed-q8_0.gguf", seed=3, pooling_type=1)  # mean
+    llm = LLM(str(path), max_model_len=256, quantized_matmul="exact", gemm_kernels="c")
+    assert (llm.engine.pooling.kind, llm.engine.pooling.normalize) == ("mean", True)
+    model = AutoModel.from_pretrained(gguf_to_folder(path), dtype=torch.float32).eval()
+    theirs = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            theirs.append(torch.nn.functional.normalize(model(torch.tensor([ids])).last_hidden_state[0].mean(0), dim=0))
+    assert_close(llm.embed(PROMPTS), theirs)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_tokenizer):
     folder = build_embedding_model(tmp_path_factory.mktemp("embed"), smollm2_tokenizer, "mean", True,
