@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         from engine.model_loader import load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(resolve_model(args.model))
-        rows = [asyncio.run(level(url, c, max(8, c * args.requests_per_client), args.deadline_ms, args.max_tokens,
+        rows = [asyncio.run(level(url, c, max(24, c * args.requests_per_client), args.deadline_ms, args.max_tokens,
                                   tokenizer)) for c in args.clients]
     finally:
         stop([proc])
