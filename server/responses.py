@@ -74,18 +74,15 @@ class _Output:
     def add(self, delta: Delta) -> list[tuple[str, dict]]:
         """Take a reader's delta; the events it makes, as (type, fields)."""
         events: list[tuple[str, dict]] = []
-        if delta.reasoning:
-            events += self._open("reasoning")
+        for kind, text, event in (("reasoning", delta.reasoning, "response.reasoning_text.delta"),
+                                  ("message", delta.content, "response.output_text.delta")):
+            if not text:
+                continue
+            events += self._open(kind)
             item = self.items[-1]
-            item["content"][0]["text"] += delta.reasoning
-            events.append(("response.reasoning_text.delta", {"item_id": item["id"], "output_index": len(self.items)
-                                                             - 1, "content_index": 0, "delta": delta.reasoning}))
-        if delta.content:
-            events += self._open("message")
-            item = self.items[-1]
-            item["content"][0]["text"] += delta.content
-            events.append(("response.output_text.delta", {"item_id": item["id"], "output_index": len(self.items) - 1,
-                                                          "content_index": 0, "delta": delta.content, "logprobs": []}))
+            item["content"][0]["text"] += text
+            where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+            events.append((event, {**where, "delta": text, **({"logprobs": []} if kind == "message" else {})}))
         for call in delta.tool_calls:
             if call["index"] not in self.calls:
                 events += self._close()
