@@ -75,9 +75,22 @@ COMPLETION = {**SAMPLING, "prompt": st.text(max_size=40) | REPEATED | token_ids
 CHAT = {**SAMPLING, "messages": messages, "logprobs": st.booleans(), "top_logprobs": small_int,
         "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
         | any_json, "tool_choice": st.sampled_from(["none", "auto", "required"]) | any_json}
+RESPONSES = {
+    "model": st.just(MODEL) | st.text(max_size=8), "input": st.text(max_size=40) | messages | any_json,
+    "instructions": st.text(max_size=20) | any_json, "max_output_tokens": small_int | any_json, "temperature": unit,
+    "top_p": unit, "stream": st.booleans(), "store": st.booleans() | any_json,
+    "previous_response_id": st.text(max_size=8) | any_json,
+    "tools": st.just([{"type": "function", "name": "f", "parameters": {"type": "object"}}]) | any_json,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | any_json,
+    "text": st.just({"format": {"type": "json_object"}}) | any_json, "reasoning": any_json,
+    "thinking_token_budget": small_int, "unknown_field": any_json,
+}
 bodies = st.one_of(
     st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({}, optional=COMPLETION)),
     st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({}, optional=CHAT)),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({}, optional=RESPONSES)),
+    st.tuples(st.just("/v1/embeddings"), st.fixed_dictionaries({}, optional={"input": st.text(max_size=9) | any_json,
+                                                                             "dimensions": small_int})),
     st.tuples(st.just("/tokenize"), st.fixed_dictionaries({}, optional={"prompt": st.text(max_size=20) | any_json,
                                                                          "messages": messages})),
     st.tuples(st.just("/detokenize"), st.fixed_dictionaries({}, optional={"tokens": token_ids | any_json})),
@@ -90,6 +103,7 @@ FIELD_TYPES = {
     "n": INT, "top_k": INT, "seed": INT, "max_tokens": INT, "min_tokens": INT, "best_of": INT, "top_logprobs": INT,
     "temperature": FLOAT, "top_p": FLOAT, "min_p": FLOAT, "presence_penalty": FLOAT, "frequency_penalty": FLOAT,
     "repetition_penalty": FLOAT, "ignore_eos": BOOL, "stream": BOOL, "echo": BOOL, "model": STR,
+    "max_output_tokens": INT, "store": BOOL, "thinking_token_budget": INT,
 }
 
 
@@ -109,7 +123,7 @@ def wrong_fields(path: str, body: dict) -> set[str]:
 
 
 REQUIRED = {"/v1/completions": {"prompt"}, "/v1/chat/completions": {"messages"}, "/tokenize": {"prompt"},
-            "/detokenize": {"tokens"}}
+            "/detokenize": {"tokens"}, "/v1/responses": {"input"}, "/v1/embeddings": {"input", "model"}}
 
 
 def check_answer(r: httpx.Response, wrong: set[str] = frozenset(), named: set[str] | None = None) -> None:
@@ -121,6 +135,9 @@ def check_answer(r: httpx.Response, wrong: set[str] = frozenset(), named: set[st
     if r.status_code >= 400:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    elif r.headers["content-type"].startswith("text/event-stream") and "event: response." in r.text:
+        last = json.loads(r.text.rstrip("\n").rsplit("\n", 1)[-1].removeprefix("data: "))  # the Responses events
+        assert last["type"] in ("response.completed", "response.incomplete"), r.text[-300:]
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
         for event in r.text.split("\n\n")[:-2]:
