@@ -218,7 +218,8 @@ class MistralCallsReader(_TaggedCallsReader):
 
 class PythonicCallsReader:
     """An output that opens with ``[`` (or ``<|python_start|>``) and is a Python list of calls with literal keyword
-    arguments; the calls go out once the list is complete. Any other output is content as written."""
+    arguments; the calls go out at the first ``]`` that completes such a list, and what follows it (but the closing
+    ``<|python_end|>``) is content. An output whose list never completes is content as written."""
 
     TAGS = ("<|python_start|>", "<|python_end|>")
 
@@ -226,6 +227,7 @@ class PythonicCallsReader:
         self.buffer = ""
         self.calls: bool | None = None
         self.done = False
+        self.checked = 0  # the buffer's characters whose closing brackets were tried
 
     def feed(self, text: str, final: bool) -> Delta:
         self.buffer += text
@@ -237,14 +239,23 @@ class PythonicCallsReader:
                 return Delta()
             else:
                 self.calls = False
-        if not self.calls or self.done:
+        if self.done:  # after the calls: content, less the end tag
+            cut = len(self.buffer) - (0 if final else held_back(self.buffer, self.TAGS[1]))
+            content, self.buffer = self.buffer[:cut].replace(self.TAGS[1], ""), self.buffer[cut:]
+            return Delta(content=content)
+        if not self.calls:
             content, self.buffer = self.buffer, ""
             return Delta(content=content)
-        source = self.buffer.replace(self.TAGS[0], "").replace(self.TAGS[1], "").strip()
-        calls = _python_calls(source) if source.endswith("]") else None
-        if calls is not None:
-            self.done, self.buffer = True, ""
-            return Delta(tool_calls=[first_call_delta(i, name, args) for i, (name, args) in enumerate(calls)])
+        for end in range(self.checked, len(self.buffer)):  # every ']' in order, whatever the pieces were
+            if self.buffer[end] != "]":
+                continue
+            calls = _python_calls(self.buffer[: end + 1].replace(self.TAGS[0], "").strip())
+            if calls is not None:
+                self.done, self.buffer = True, self.buffer[end + 1 :]
+                delta = self.feed("", final)
+                delta.tool_calls = [first_call_delta(i, name, args) for i, (name, args) in enumerate(calls)]
+                return delta
+        self.checked = len(self.buffer)
         if final:
             self.calls = False
             content, self.buffer = self.buffer, ""

@@ -180,6 +180,8 @@ def test_pythonic_calls(smollm2_tokenizer, cuts):
     assert content == "" and calls == EXPECTED_CALLS
     for text in ("[not a call]", "[f(x=open('/etc'))]", "The answer is [1, 2].", "[f(x=1)"):
         assert read(ChatReading(auto("pythonic"), None, prompt), text, cuts)[:2] == (text, "")
+    trailing = read(ChatReading(auto("pythonic"), None, prompt), "[get_time(zone='a]')] then text", cuts)
+    assert trailing == (" then text", "", [{"name": "get_time", "arguments": {"zone": "a]"}}])
     tagged = read(ChatReading(auto("pythonic"), None, prompt), '<|python_start|>[get_time(zone="UTC")]<|python_end|>',
                   cuts)
     assert tagged[2] == [{"name": "get_time", "arguments": {"zone": "UTC"}}]
