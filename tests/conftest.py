@@ -58,6 +58,14 @@ def shared_server():
 
 
 @pytest.fixture(scope="session")
+def shared_client(shared_server):
+    """The official openai SDK's client of the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{shared_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     return str(reference_folder(None))  # transformers' own conversion of the GGUF file, for the comparisons
 

@@ -7,7 +7,6 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 
 from tests.conftest import PROMPTS
@@ -22,8 +21,8 @@ def server(shared_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+def client(shared_client):
+    return shared_client
 
 
 def wait_pool_free(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]:

@@ -20,8 +20,8 @@ def server(shared_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+def client(shared_client):
+    return shared_client
 
 
 def test_text_input_equals_the_same_chat(client):
