@@ -55,6 +55,8 @@ class OpenAIServing:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+        # the parser's markers as token ids, encoded once; a request's bounds are put on them
+        self._thinking_markers = self.reasoning.thinking_params(tokenizer) if self.reasoning is not None else None
         self.thinking = thinking or ThinkingDefaults()
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer, engine.info.limits.max_model_len)
@@ -178,7 +180,7 @@ class OpenAIServing:
                                    param=field)
             return params
         try:
-            thinking = self.reasoning.thinking_params(self.tokenizer, budget, deadline)
+            thinking = dataclasses.replace(self._thinking_markers, max_tokens=budget, deadline_ms=deadline)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         return dataclasses.replace(params, thinking=thinking)
